@@ -1,0 +1,9 @@
+"""Context-parallel attention strategies; each maps local q/k/v to the local attention output."""
+from .allgather import allgather_attention
+from .blocks import MaskSpec
+from .ring import ring_attention
+from .ulysses import check_heads, ulysses_attention
+
+STRATEGIES = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+
+__all__ = ["STRATEGIES", "MaskSpec", "check_heads"]

@@ -1,0 +1,52 @@
+"""All-gather attention: gather K/V (KV heads only) from the CP group, attend locally, and in backward
+re-gather K/V and reduce-scatter dK/dV to their owners. Simple and robust; holds all K/V of the
+sequence for one layer at a time (use `ring` when that does not fit)."""
+from __future__ import annotations
+
+import torch
+
+from ..collectives import all_gather_no_grad, group_rank, group_size, reduce_scatter_sum
+from ..layout import StepBatch
+from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
+
+
+def _gather_kv(k, v, group):
+    kv = all_gather_no_grad(torch.stack([k, v]), group, dim=3)  # (2, B, Hkv, L, D) in rank order
+    return kv[0], kv[1]
+
+
+def _all_ranges(sb: StepBatch, cp: int):
+    return [r for owner in range(cp) for r in sb.layout.ranges(owner)]
+
+
+class AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sb, spec, scale, group):
+        cp, rank = group_size(group), group_rank(group)
+        k_all, v_all = _gather_kv(k, v, group)
+        tiles = plan_tiles(spec, sb, sb.layout.ranges(rank), _all_ranges(sb, cp), q.dtype, q.device)
+        out, lse = new_accumulators(q)
+        forward_tiles(q, k_all, v_all, tiles, scale, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)  # local K/V only: re-gathered in backward
+        ctx.args = (sb, spec, scale, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        sb, spec, scale, group = ctx.args
+        cp, rank = group_size(group), group_rank(group)
+        k_all, v_all = _gather_kv(k, v, group)
+        tiles = plan_tiles(spec, sb, sb.layout.ranges(rank), _all_ranges(sb, cp), q.dtype, q.device)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk_all = torch.zeros_like(k_all, dtype=torch.float32)
+        dv_all = torch.zeros_like(v_all, dtype=torch.float32)
+        backward_tiles(dout.contiguous(), q, k_all, v_all, out, lse, tiles, scale, dq, dk_all, dv_all)
+        dkv = reduce_scatter_sum(torch.stack([dk_all, dv_all]), group, dim=3)  # (2, B, Hkv, L/cp, D)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def allgather_attention(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group) -> torch.Tensor:
+    """q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) in the layout's local order -> out (B, H, L/cp, D)."""
+    return AllGatherAttention.apply(q, k, v, sb, spec, scale, group)

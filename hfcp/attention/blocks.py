@@ -1,0 +1,167 @@
+"""Block-sparse local attention over global index ranges: plan, forward, backward.
+
+Every mask is a predicate on global token indices (causal, sliding window, same document, valid key).
+For each (query range, key range) pair the planner decides skip / full / causal-diagonal / partial;
+only partial tiles get a mask, and a partial tile larger than MAX_TILE x MAX_TILE is split first, so no
+mask larger than a tile is ever built. Plans are cached on the step's `StepBatch` and reused by every
+layer of the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import Range, StepBatch
+from .kernels import NEG_INF, kernel_backward, kernel_forward, lse_for_backward, merge_into
+
+MAX_TILE = 1024
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    causal: bool
+    window: int | None  # keys with q - k >= window are masked (transformers' sliding_window)
+
+
+@dataclass
+class Tile:
+    q_off: int
+    q_len: int
+    k_off: int
+    k_len: int
+    is_causal: bool = False
+    mask: torch.Tensor | None = None  # (B or 1, 1, q_len, k_len) additive, in the query dtype
+    empty_rows: torch.Tensor | None = None  # (B or 1, 1, q_len) bool: rows with no allowed key in this tile
+
+
+def coalesce(ranges) -> list[tuple[int, int, int]]:
+    """(global start, length) ranges in tensor order -> (global start, length, local offset), adjacent ones merged."""
+    out, off = [], 0
+    for start, n in ranges:
+        if out and out[-1][0] + out[-1][1] == start:
+            s, m, o = out[-1]
+            out[-1] = (s, m + n, o)
+        else:
+            out.append((start, n, off))
+        off += n
+    return out
+
+
+def _classify(spec: MaskSpec, sb: StepBatch, qs: int, ql: int, ks: int, kl: int) -> tuple[str, bool]:
+    """Returns (kind, only_causal): kind in skip / full / partial; only_causal when causality alone is partial."""
+    qe, ke = qs + ql - 1, ks + kl - 1
+    causal_partial = False
+    other_partial = False
+    if spec.causal:
+        if qe < ks:
+            return "skip", False
+        causal_partial = qs < ke
+    if spec.window is not None:
+        if qs - ke >= spec.window:
+            return "skip", False
+        other_partial |= qe - ks >= spec.window
+    if sb.doc_ids is not None:
+        d = sb.doc_ids
+        dq0, dq1, dk0, dk1 = d[:, qs], d[:, qe], d[:, ks], d[:, ke]
+        if bool(((dq1 < dk0) | (dk1 < dq0)).all()):
+            return "skip", False
+        other_partial |= not bool(((dq0 == dq1) & (dk0 == dk1) & (dq0 == dk0)).all())
+    if sb.key_valid is not None:
+        kv = sb.key_valid[:, ks : ke + 1]
+        if not bool(kv.any()):
+            return "skip", False
+        other_partial |= not bool(kv.all())
+    if not (causal_partial or other_partial):
+        return "full", False
+    return "partial", causal_partial and not other_partial
+
+
+def _allowed(spec: MaskSpec, sb: StepBatch, qs: int, ql: int, ks: int, kl: int, device) -> torch.Tensor:
+    """(B or 1, 1, ql, kl) bool: which keys each query may see."""
+    qi = torch.arange(qs, qs + ql, device=device)[:, None]
+    ki = torch.arange(ks, ks + kl, device=device)[None, :]
+    allowed = torch.ones(ql, kl, dtype=torch.bool, device=device)
+    if spec.causal:
+        allowed &= ki <= qi
+    if spec.window is not None:
+        allowed &= (qi - ki) < spec.window
+    allowed = allowed[None, None]
+    if sb.doc_ids is not None:
+        d = sb.doc_ids
+        allowed = allowed & (d[:, qs : qs + ql, None] == d[:, None, ks : ks + kl])[:, None]
+    if sb.key_valid is not None:
+        allowed = allowed & sb.key_valid[:, None, None, ks : ks + kl]
+    return allowed
+
+
+def _plan_pair(spec, sb, q, k, dtype, device, tiles) -> None:
+    (qs, ql, qo), (ks, kl, ko) = q, k
+    kind, only_causal = _classify(spec, sb, qs, ql, ks, kl)
+    if kind == "skip":
+        return
+    if kind == "full":
+        tiles.append(Tile(qo, ql, ko, kl))
+        return
+    if only_causal and qs == ks and ql == kl:
+        tiles.append(Tile(qo, ql, ko, kl, is_causal=True))
+        return
+    if ql * kl > MAX_TILE * MAX_TILE:  # split the longer side and classify the halves again
+        if ql >= kl:
+            h = ql // 2
+            _plan_pair(spec, sb, (qs, h, qo), k, dtype, device, tiles)
+            _plan_pair(spec, sb, (qs + h, ql - h, qo + h), k, dtype, device, tiles)
+        else:
+            h = kl // 2
+            _plan_pair(spec, sb, q, (ks, h, ko), dtype, device, tiles)
+            _plan_pair(spec, sb, q, (ks + h, kl - h, ko + h), dtype, device, tiles)
+        return
+    allowed = _allowed(spec, sb, qs, ql, ks, kl, device)
+    empty = ~allowed.any(-1)  # (B or 1, 1, ql)
+    if bool(empty.all()):
+        return
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, NEG_INF)
+    tiles.append(Tile(qo, ql, ko, kl, mask=mask, empty_rows=empty if bool(empty.any()) else None))
+
+
+def plan_tiles(spec: MaskSpec, sb: StepBatch, q_ranges, k_ranges, dtype, device) -> list[Tile]:
+    """Tiles of work for queries at global `q_ranges` against keys at `k_ranges` (both in tensor order)."""
+    key = (spec, tuple(q_ranges), tuple(k_ranges), dtype, str(device))
+    tiles = sb.plans.get(key)
+    if tiles is None:
+        tiles = []
+        for q in coalesce(q_ranges):
+            for k in coalesce(k_ranges):
+                _plan_pair(spec, sb, q, k, dtype, device, tiles)
+        sb.plans[key] = tiles
+    return tiles
+
+
+def forward_tiles(q, k, v, tiles: list[Tile], scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Accumulate attention of q against k/v over `tiles` into out (B, H, Lq, D) fp32 and lse (B, H, Lq) fp32."""
+    for t in tiles:
+        qs, ks = slice(t.q_off, t.q_off + t.q_len), slice(t.k_off, t.k_off + t.k_len)
+        o, l = kernel_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], t.mask, t.is_causal, scale)
+        if t.empty_rows is not None:  # the CPU kernel reports lse 0 for such rows: give them no weight
+            l = l.masked_fill(t.empty_rows, NEG_INF)
+        merge_into(out[:, :, qs], lse[:, :, qs], o, l)
+
+
+def backward_tiles(dout, q, k, v, out, lse, tiles: list[Tile], scale: float, dq, dk, dv) -> None:
+    """Accumulate the block gradients of `tiles` into dq, dk, dv (fp32), given the merged out and lse."""
+    lse_b = lse_for_backward(lse)
+    for t in tiles:
+        qs, ks = slice(t.q_off, t.q_off + t.q_len), slice(t.k_off, t.k_off + t.k_len)
+        gq, gk, gv = kernel_backward(
+            dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse_b[:, :, qs],
+            t.mask, t.is_causal, scale,
+        )
+        dq[:, :, qs] += gq
+        dk[:, :, ks] += gk
+        dv[:, :, ks] += gv
+
+
+def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (out, lse) accumulators for q (B, H, Lq, D)."""
+    b, h, lq, d = q.shape
+    return q.new_zeros(b, h, lq, d, dtype=torch.float32), q.new_full((b, h, lq), NEG_INF, dtype=torch.float32)

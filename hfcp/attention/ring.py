@@ -1,0 +1,78 @@
+"""Ring attention: K/V blocks (KV heads only) travel the ring while the current block is computed.
+
+Forward: step s computes the local queries against the K/V of rank (r - s) mod cp while the next block
+is in flight. Backward: recompute per block from the saved merged out and lse; dQ stays local; dK/dV
+accumulate in a buffer that travels with the K/V and arrives home after cp steps.
+No rank ever holds more than two K/V blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..collectives import RingComm, group_rank, group_size
+from ..layout import StepBatch
+from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
+
+KV_TAG, GRAD_TAG = 0, 1
+
+
+def ring_forward(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group):
+    cp, rank = group_size(group), group_rank(group)
+    comm = RingComm(group, KV_TAG)
+    out, lse = new_accumulators(q)  # (B, H, L/cp, D), (B, H, L/cp) fp32
+    q_ranges = sb.layout.ranges(rank)
+    kv = [k, v]
+    for step in range(cp):
+        if step + 1 < cp:
+            comm.exchange(kv)
+        owner = (rank - step) % cp
+        tiles = plan_tiles(spec, sb, q_ranges, sb.layout.ranges(owner), q.dtype, q.device)
+        forward_tiles(q, kv[0], kv[1], tiles, scale, out, lse)
+        if step + 1 < cp:
+            kv = comm.wait()
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, out, lse, sb: StepBatch, spec: MaskSpec, scale: float, group):
+    cp, rank = group_size(group), group_rank(group)
+    kv_comm, grad_comm = RingComm(group, KV_TAG), RingComm(group, GRAD_TAG)
+    q_ranges = sb.layout.ranges(rank)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    kv = [k, v]
+    for step in range(cp):
+        if step + 1 < cp:
+            kv_comm.exchange(kv)
+        owner = (rank - step) % cp
+        tiles = plan_tiles(spec, sb, q_ranges, sb.layout.ranges(owner), q.dtype, q.device)
+        dk = torch.zeros_like(k, dtype=torch.float32)  # grads for the block of `owner`
+        dv = torch.zeros_like(v, dtype=torch.float32)
+        backward_tiles(dout, q, kv[0], kv[1], out, lse, tiles, scale, dq, dk, dv)
+        if step > 0:  # add what earlier holders of this block accumulated
+            dk_in, dv_in = grad_comm.wait()
+            dk += dk_in
+            dv += dv_in
+        grad_comm.exchange([dk, dv])
+        if step + 1 < cp:
+            kv = kv_comm.wait()
+    dk, dv = grad_comm.wait()  # our own block's grads, back home after cp hops
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sb, spec, scale, group):
+        out, lse = ring_forward(q, k, v, sb, spec, scale, group)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (sb, spec, scale, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group) -> torch.Tensor:
+    """q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) in the layout's local order -> out (B, H, L/cp, D)."""
+    return RingAttention.apply(q, k, v, sb, spec, scale, group)

@@ -1,0 +1,133 @@
+"""hfcp's own autograd-aware collectives, all in one place.
+
+`torch.distributed.nn.functional` is deprecated and its all_gather backward was measured wrong on gloo
+(DESIGN.md), so every collective that carries gradients is an explicit `torch.autograd.Function` here.
+Convention (DESIGN.md "Gradients"): every rank of the CP group computes the same loss, so the adjoint of
+an all-reduce-sum is an all-reduce-sum, and the mean of the parameter grads over the group is exact.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return dist.get_rank(group)
+
+
+def _reduce_scatter_sum(full: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum `full` over the group and return this rank's equal slice along `dim`."""
+    size, rank = group_size(group), group_rank(group)
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: all-reduce, then take the slice
+        full = full.contiguous().clone()
+        dist.all_reduce(full, group=group)
+        return full.chunk(size, dim=dim)[rank].contiguous()
+    moved = full.movedim(dim, 0).contiguous()  # (size * n, ...)
+    out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=full.dtype, device=full.device)
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's `x` (same shape on all ranks) along `dim`, in group-rank order."""
+    size = group_size(group)
+    x = x.contiguous()
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device) if dim == 0 else None
+    if out is not None:
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_cat(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sum(grad, ctx.group, ctx.dim), None, None
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce-sum with an all-reduce-sum backward (every rank then holds the same value)."""
+    return _AllReduceSum.apply(x, group)
+
+
+def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate the group's tensors along `dim`; backward sums the grads and returns this rank's slice."""
+    return _AllGather.apply(x, group, dim)
+
+
+def all_gather_no_grad(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    return _all_gather_cat(x, group, dim)
+
+
+def reduce_scatter_sum(full: torch.Tensor, group, dim: int) -> torch.Tensor:
+    return _reduce_scatter_sum(full, group, dim)
+
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split `x` into group-size pieces along `scatter_dim`, send piece j to rank j, and concatenate the
+    received pieces along `gather_dim` (no autograd; the Ulysses Function calls it both ways)."""
+    size = group_size(group)
+    inputs = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(size)]
+    dist.all_to_all(outputs, inputs, group=group)
+    return torch.cat(outputs, dim=gather_dim)
+
+
+class RingComm:
+    """Point-to-point exchange with the neighbours of a ring: send to rank+1, receive from rank-1.
+
+    `exchange(tensors)` starts sending `tensors` and receiving same-shaped ones; `wait()` returns them.
+    One exchange may be in flight at a time per instance.
+    """
+
+    def __init__(self, group, tag: int = 0):
+        self.group, self.tag = group, tag
+        ranks = dist.get_process_group_ranks(group)
+        me = ranks.index(dist.get_rank())
+        self.send_to = ranks[(me + 1) % len(ranks)]
+        self.recv_from = ranks[(me - 1) % len(ranks)]
+        self._pending = None
+
+    def exchange(self, tensors: list[torch.Tensor]) -> None:
+        if self._pending is not None:
+            raise RuntimeError("RingComm.exchange called while a previous exchange is in flight; call wait() first")
+        sends = [t.contiguous() for t in tensors]
+        recvs = [torch.empty_like(t) for t in sends]
+        ops = [dist.P2POp(dist.isend, t, self.send_to, self.group, self.tag) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.recv_from, self.group, self.tag) for t in recvs]
+        self._pending = (dist.batch_isend_irecv(ops), recvs, sends)
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._pending is None:
+            raise RuntimeError("RingComm.wait called with no exchange in flight")
+        works, recvs, _ = self._pending
+        for w in works:
+            w.wait()
+        self._pending = None
+        return recvs

@@ -1,0 +1,44 @@
+"""The function hfcp registers in transformers' AttentionInterface (key "hfcp"), and its mask builder."""
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from .attention import STRATEGIES, MaskSpec
+
+KEY = "hfcp"
+
+
+def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                   sliding_window=None, is_causal=None, **kwargs):
+    """transformers attention function: q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> ((B, L/cp, H, D), None)."""
+    state = getattr(module, "_hfcp_state", None)
+    if state is None or state.step is None:
+        raise RuntimeError(
+            f"{type(module).__name__} uses attn_implementation='hfcp' but was not called through a model "
+            "patched by hfcp.patch (or outside its forward); patch the top-level model"
+        )
+    if dropout:
+        raise ValueError(f"attention dropout={dropout} cannot be made exact under CP; set config.attention_dropout=0")
+    local = state.step.layout.local_len
+    if query.shape[2] != local or key.shape[2] != local:
+        raise ValueError(
+            f"hfcp attention got {query.shape[2]} queries / {key.shape[2]} keys but the step layout holds "
+            f"{local} local tokens; was a KV cache or a custom mask used? Call hfcp.unpatch(model) for that"
+        )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    spec = MaskSpec(bool(causal), sliding_window)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = STRATEGIES[state.strategy](query, key, value, state.step, spec, scale, state.mesh.cp_group)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def hfcp_mask(*args, **kwargs):
+    """Mask builder for key "hfcp": no tensor mask (attention builds block masks from global indices)."""
+    return None
+
+
+def register_with_transformers() -> None:
+    """Idempotent; adds hfcp's own key and never touches built-in keys such as "sdpa"."""
+    AttentionInterface.register(KEY, hfcp_attention)
+    AttentionMaskInterface.register(KEY, hfcp_mask)

@@ -1,0 +1,88 @@
+"""accelerate ModelHook that shards the full batch along the sequence and reduces the loss."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from accelerate.hooks import ModelHook
+
+from .layout import Layout, build_step_batch, pad_to
+from .loss import IGNORE_INDEX, causal_lm_loss, shift_labels
+
+
+def _as_kwargs(module, args, kwargs) -> dict:
+    """Positional arguments of the wrapped forward -> keyword arguments."""
+    if not args:
+        return dict(kwargs)
+    params = [p for p in inspect.signature(module._old_forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    named = {p.name: a for p, a in zip(params, args)}
+    if len(args) > len(params):
+        raise TypeError(f"{type(module).__name__}.forward got {len(args)} positional arguments")
+    return {**named, **kwargs}
+
+
+class ShardSequenceHook(ModelHook):
+    """pre_forward: full batch -> per-step layout + local input_ids/inputs_embeds/position_ids, shifted
+    local labels kept aside; post_forward: loss = global token-weighted mean, equal on every rank."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def pre_forward(self, module, *args, **kwargs):
+        st = self.state
+        kw = _as_kwargs(module, args, kwargs)
+        if kw.get("cache") is not None or kw.get("past_key_values") is not None or kw.get("use_cache"):
+            raise ValueError(
+                "a hfcp-patched model runs training/eval forwards over the whole sequence; a KV cache "
+                "(use_cache=True, cache=..., generate()) is not supported: call hfcp.unpatch(model) to generate"
+            )
+        if "use_cache" in inspect.signature(module._old_forward).parameters:
+            kw["use_cache"] = False
+        if kw.get("logits_to_keep", 0) not in (0, None):
+            raise ValueError(f"logits_to_keep={kw['logits_to_keep']!r} is not supported by hfcp (only 0: all logits)")
+        ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
+        x = ids if ids is not None else embeds
+        if x is None:
+            raise ValueError("hfcp needs input_ids or inputs_embeds to shard the sequence")
+        B, L = x.shape[:2]
+        mask = kw.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError(
+                f"attention_mask of shape {tuple(mask.shape)}: hfcp builds masks from global token indices and "
+                "accepts only a 2D (batch, seq) padding mask; a custom 4D mask would be silently wrong"
+            )
+        layout = Layout(L, st.mesh.cp_size, st.zigzag)
+        pos = kw.get("position_ids")
+        if pos is None:
+            pos = torch.arange(L, device=x.device)[None].expand(B, -1)
+        sb = build_step_batch(layout, st.mesh.cp_rank, B, pos, mask, x.device)
+        st.step = sb
+        idx = sb.local_index.to(x.device)
+        P = layout.padded_len
+        if ids is not None:
+            kw["input_ids"] = pad_to(ids, P, 1, 0).index_select(1, idx)
+        if embeds is not None:
+            kw["inputs_embeds"] = pad_to(embeds, P, 1, 0.0).index_select(1, idx)
+        kw["position_ids"] = pad_to(pos.expand(B, -1), P, 1, 0).index_select(1, idx)
+        kw["attention_mask"] = None  # masks come from the step layout, never an L x L tensor
+        st.targets = st.denominator = None
+        labels = kw.pop("labels", None) if st.head == "causal_lm" else None
+        num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None
+        if labels is not None:
+            shifted = shift_labels(labels)
+            st.denominator = num_items if num_items is not None else (shifted != IGNORE_INDEX).sum()
+            st.targets = pad_to(shifted, P, 1, IGNORE_INDEX).index_select(1, idx.to(labels.device))
+        return (), kw
+
+    def post_forward(self, module, output):
+        st = self.state
+        if st.targets is None:
+            return output
+        loss = causal_lm_loss(output["logits"] if not isinstance(output, tuple) else output[0],
+                              st.targets, st.denominator, st.mesh.cp_group)
+        st.targets = st.denominator = None
+        if isinstance(output, tuple):
+            return (loss, *output)
+        fields = {k: v for k, v in output.items() if k != "loss"}
+        return type(output)(loss=loss, **fields)

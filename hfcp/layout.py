@@ -1,0 +1,126 @@
+"""Where each token lives: padding to a multiple, zigzag (head-tail) or contiguous split, global indices.
+
+A `Layout` is pure arithmetic on lengths; `StepBatch` adds the per-step token metadata (document ids from
+position_ids resets, key padding) that attention masks read. Every rank holds the full batch, so each
+rank can compute the metadata of every global token without communication.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+Range = tuple[int, int]  # (global start, length)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a sequence of `seq_len` tokens is padded and split over `cp_size` ranks.
+
+    zigzag: 2*cp chunks, rank r holds chunks r and 2*cp-1-r (balances causal attention work).
+    contiguous: cp chunks, rank r holds chunk r.
+    """
+
+    seq_len: int
+    cp_size: int
+    zigzag: bool
+
+    @property
+    def num_chunks(self) -> int:
+        return 2 * self.cp_size if self.zigzag else self.cp_size
+
+    @property
+    def padded_len(self) -> int:
+        n = self.num_chunks
+        return -(-self.seq_len // n) * n
+
+    @property
+    def chunk_len(self) -> int:
+        return self.padded_len // self.num_chunks
+
+    @property
+    def local_len(self) -> int:
+        return self.padded_len // self.cp_size
+
+    def ranges(self, rank: int) -> tuple[Range, ...]:
+        """Global (start, length) ranges held by `rank`, in local order."""
+        c = self.chunk_len
+        if not self.zigzag:
+            return ((rank * c, c),)
+        return ((rank * c, c), ((2 * self.cp_size - 1 - rank) * c, c))
+
+    def local_index(self, rank: int, device=None) -> torch.Tensor:
+        """(local_len,) global index of each local token of `rank`."""
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.ranges(rank)])
+
+    def gathered_order(self, device=None) -> torch.Tensor:
+        """(padded_len,) global index of each token of the rank-order concatenation of all local slices."""
+        return torch.cat([self.local_index(r, device) for r in range(self.cp_size)])
+
+
+def pad_to(x: torch.Tensor, length: int, dim: int, value) -> torch.Tensor:
+    """Pad `x` along `dim` at the end to `length` with `value`."""
+    extra = length - x.shape[dim]
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) document index of each token: a position that is not previous + 1 starts a new document
+    (exactly transformers' `find_packed_sequence_indices`)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+@dataclass
+class StepBatch:
+    """Per-step metadata over the padded global sequence, shared by every attention call of the step.
+
+    doc_ids:   (B, padded_len) long, non-decreasing per row, or None when no row is packed.
+    key_valid: (B, padded_len) bool, or None when every key is valid.
+    """
+
+    layout: Layout
+    rank: int
+    doc_ids: torch.Tensor | None
+    key_valid: torch.Tensor | None
+    plans: dict = field(default_factory=dict)  # attention block plans, cached for all layers of the step
+
+    @property
+    def local_index(self) -> torch.Tensor:
+        return self.layout.local_index(self.rank)
+
+
+def build_step_batch(
+    layout: Layout,
+    rank: int,
+    batch_size: int,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    device,
+) -> StepBatch:
+    """Document ids and key padding of the padded global sequence (see `StepBatch`).
+
+    Packing is detected only when there is no attention_mask, as transformers does.
+    """
+    L, P = layout.seq_len, layout.padded_len
+    doc_ids = None
+    if attention_mask is None and position_ids is not None:
+        docs = document_ids(position_ids.expand(batch_size, -1))
+        if bool((docs[:, -1] > 0).any()):
+            # padding forms one more document after the last, so ids stay non-decreasing
+            doc_ids = pad_to(docs, P, 1, 0)
+            doc_ids[:, L:] = docs[:, -1:] + 1
+    key_valid = None
+    if attention_mask is not None:
+        valid = attention_mask.to(device=device, dtype=torch.bool).expand(batch_size, -1)
+        key_valid = pad_to(valid, P, 1, False)
+    elif P > L:
+        key_valid = torch.zeros(batch_size, P, dtype=torch.bool, device=device)
+        key_valid[:, :L] = True
+    if key_valid is not None and bool(key_valid.all()):
+        key_valid = None
+    return StepBatch(layout, rank, doc_ids, key_valid)

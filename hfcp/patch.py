@@ -1,0 +1,170 @@
+"""hfcp.patch / hfcp.unpatch / hfcp.gather_sequence: the one-line surgery and its inverse."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.hooks import SequentialHook, add_hook_to_module, remove_hook_from_module
+from transformers import PreTrainedModel
+from transformers.models.auto import modeling_auto
+
+from .attention import STRATEGIES, check_heads
+from .collectives import all_gather
+from .hf_attention import KEY, register_with_transformers
+from .hooks import ShardSequenceHook
+from .layout import StepBatch
+from .mesh import Mesh, build_mesh
+from .registry import REGISTRY, Patcher, UnsupportedModelError
+
+log = logging.getLogger("hfcp")
+
+
+@dataclass(eq=False)
+class CPState:
+    """Everything hfcp holds for one patched model; per-step data lives in `step` (no globals)."""
+
+    mesh: Mesh
+    strategy: str
+    patcher: Patcher
+    head: str  # "causal_lm" or "base"
+    zigzag: bool
+    original_attn: str
+    settings: tuple
+    modules: list = field(default_factory=list)
+    step: StepBatch | None = None
+    targets: torch.Tensor | None = None
+    denominator: object = None
+
+    def __deepcopy__(self, memo):  # process groups cannot be copied; a deep copy shares the CP state
+        return self
+
+
+def find_pretrained(model) -> PreTrainedModel:
+    """The transformers model inside PEFT / DDP / accelerate wrappers."""
+    m = model
+    for _ in range(8):
+        if isinstance(m, PreTrainedModel):
+            return m
+        if hasattr(m, "get_base_model"):
+            m = m.get_base_model()
+        elif isinstance(getattr(m, "module", None), torch.nn.Module):
+            m = m.module
+        else:
+            break
+    raise TypeError(f"hfcp.patch expects a transformers PreTrainedModel (optionally PEFT/DDP-wrapped), got {type(model).__name__}")
+
+
+def _head_kind(model: PreTrainedModel, model_type: str) -> str:
+    name = type(model).__name__
+    if modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) == name:
+        return "causal_lm"
+    if modeling_auto.MODEL_MAPPING_NAMES.get(model_type) == name:
+        return "base"
+    raise UnsupportedModelError(
+        f"{name} (model_type={model_type!r}) has a head hfcp does not support under CP; supported: "
+        f"{modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)} and "
+        f"{modeling_auto.MODEL_MAPPING_NAMES.get(model_type)}"
+    )
+
+
+def patch(model, cp_size: int | None = None, strategy: str = "ring", process_group=None, timeout=None):
+    """Make `model` context-parallel in place and return it.
+
+    Args:
+        model: a transformers PreTrainedModel, PEFT-wrapped or not, optionally inside DDP.
+        cp_size: ranks per CP group (None: the whole world, or the size of `process_group`).
+        strategy: "ring", "allgather" or "ulysses".
+        process_group: an existing group to use as the CP group.
+        timeout: seconds or timedelta bounding every collective on the CP group.
+    Returns:
+        The same model object. With one process or cp_size 1 the model is left unchanged.
+    Raises:
+        UnsupportedModelError: no patcher for config.model_type, or an unsupported head.
+        ValueError: unknown strategy, bad cp_size, ulysses with indivisible heads, patched with other settings.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {sorted(STRATEGIES)}")
+    inner = find_pretrained(model)
+    model_type = inner.config.model_type
+    patcher = REGISTRY.lookup(model_type)  # raises on every rank before any collective
+    head = _head_kind(inner, model_type)
+    settings = (cp_size, strategy, process_group)
+    existing = getattr(inner, "_hfcp_state", None)
+    if existing is not None:
+        if existing.settings == settings:
+            return model
+        raise ValueError(
+            f"model is already patched with cp_size={existing.settings[0]}, strategy={existing.settings[1]!r}; "
+            "call hfcp.unpatch(model) before patching with other settings"
+        )
+    modules = [m for m in inner.modules() if type(m).__name__ in patcher.attention_classes]
+    if not modules:
+        raise UnsupportedModelError(
+            f"the {model_type!r} patcher looks for {patcher.attention_classes} but {type(inner).__name__} has none"
+        )
+    mesh = build_mesh(cp_size, process_group, timeout)
+    if mesh is None:
+        log.info("hfcp: one process or cp_size=1: %s runs unchanged", type(inner).__name__)
+        return model
+    if strategy == "ulysses":
+        cfg = inner.config
+        check_heads(getattr(cfg, patcher.num_heads_attr), getattr(cfg, patcher.num_kv_heads_attr) or
+                    getattr(cfg, patcher.num_heads_attr), mesh.cp_size)
+    register_with_transformers()
+    state = CPState(mesh, strategy, patcher, head, zigzag=patcher.causal,
+                    original_attn=inner.config._attn_implementation, settings=settings, modules=modules)
+    inner.set_attn_implementation(KEY)
+    inner._hfcp_state = state
+    for m in modules:
+        m._hfcp_state = state
+    add_hook_to_module(inner, ShardSequenceHook(state), append=True)
+    log.info("hfcp: %s patched: strategy=%s cp=%d (dp=%d), %d attention modules",
+             type(inner).__name__, strategy, mesh.cp_size, mesh.dp_size, len(modules))
+    return model
+
+
+def unpatch(model):
+    """Undo `patch`: original attention implementation, no hfcp hook (other hooks kept). Returns model."""
+    inner = find_pretrained(model)
+    state = getattr(inner, "_hfcp_state", None)
+    if state is None:
+        return model
+    hook = getattr(inner, "_hf_hook", None)
+    others = [h for h in hook.hooks if not isinstance(h, ShardSequenceHook)] if isinstance(hook, SequentialHook) else []
+    remove_hook_from_module(inner)
+    if "forward" in inner.__dict__ and not others:
+        del inner.forward  # back to the class's forward
+    for h in others:
+        add_hook_to_module(inner, h, append=True)
+    inner.set_attn_implementation(state.original_attn)
+    for m in state.modules:
+        del m._hfcp_state
+    del inner._hfcp_state
+    return model
+
+
+def cp_state(model) -> CPState | None:
+    """The CP state of a patched model, or None."""
+    return getattr(find_pretrained(model), "_hfcp_state", None)
+
+
+def gather_sequence(tensor: torch.Tensor, model, dim: int = 1) -> torch.Tensor:
+    """The full sequence (original order and length) of a local sequence output such as logits.
+
+    Differentiable: the backward sums over the CP group and returns each rank its slice (consistent with the
+    loss convention, so mean-over-group grads stay exact). Unpatched models: returns `tensor` unchanged.
+    """
+    state = cp_state(model)
+    if state is None:
+        return tensor
+    if state.step is None:
+        raise RuntimeError("gather_sequence needs the output of a forward of the patched model")
+    layout = state.step.layout
+    if tensor.shape[dim] != layout.local_len:
+        raise ValueError(f"tensor has {tensor.shape[dim]} tokens along dim {dim}; the local slice has {layout.local_len}")
+    full = all_gather(tensor, state.mesh.cp_group, dim)
+    order = layout.gathered_order(full.device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=full.device)
+    return full.index_select(dim, inverse[: layout.seq_len])

@@ -1,0 +1,78 @@
+"""Patcher records keyed by config.model_type, filled by `register_patcher(...)` calls at import time."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or this head of it) cannot be made context-parallel exactly; the message says why."""
+
+
+@dataclass(frozen=True)
+class Patcher:
+    """What hfcp needs to know about one model family.
+
+    Attributes:
+        model_type: `config.model_type` this record handles.
+        attention_classes: class names of the attention modules that call transformers' AttentionInterface.
+        causal: whether attention is causal (chooses the zigzag layout).
+        num_heads_attr / num_kv_heads_attr: config attributes with the head counts (ulysses checks them).
+        max_positions_attr: config attribute bounding the sequence length, or None.
+    """
+
+    model_type: str
+    attention_classes: tuple[str, ...]
+    causal: bool = True
+    num_heads_attr: str = "num_attention_heads"
+    num_kv_heads_attr: str = "num_key_value_heads"
+    max_positions_attr: str | None = "max_position_embeddings"
+
+
+_HOW_TO_REGISTER = (
+    "to add a family whose attention uses transformers' AttentionInterface, call "
+    "hfcp.register_patcher(hfcp.Patcher(model_type=..., attention_classes=(...,)))"
+)
+
+
+class _Registry:
+    def __init__(self):
+        self._patchers: dict[str, Patcher] = {}
+
+    def register(self, patcher: Patcher, *, replace: bool = False) -> None:
+        if not isinstance(patcher, Patcher):
+            raise TypeError(f"register_patcher expects a hfcp.Patcher, got {type(patcher).__name__}")
+        if patcher.model_type in self._patchers and not replace:
+            raise ValueError(
+                f"a patcher for model_type={patcher.model_type!r} is already registered; "
+                "pass replace=True to override it"
+            )
+        self._patchers[patcher.model_type] = patcher
+
+    def lookup(self, model_type: str) -> Patcher:
+        patcher = self._patchers.get(model_type)
+        if patcher is None:
+            raise UnsupportedModelError(
+                f"hfcp has no patcher for model_type={model_type!r}; supported types: "
+                f"{sorted(self._patchers)}; {_HOW_TO_REGISTER}"
+            )
+        return patcher
+
+    def model_types(self) -> list[str]:
+        return sorted(self._patchers)
+
+
+REGISTRY = _Registry()
+
+
+def register_patcher(patcher: Patcher, *, replace: bool = False) -> None:
+    """Register `patcher` for its model_type.
+
+    Raises:
+        ValueError: a patcher for that model_type exists and replace is False.
+    """
+    REGISTRY.register(patcher, replace=replace)
+
+
+def supported_model_types() -> list[str]:
+    """The model_types with a registered patcher, sorted."""
+    return REGISTRY.model_types()

@@ -1,0 +1,107 @@
+"""Single-process tests: layout arithmetic, registry, label shift, errors, world-size-1 no-op."""
+import pytest
+import torch
+import transformers
+
+import hfcp
+from hfcp.layout import Layout, build_step_batch, document_ids
+from hfcp.loss import shift_labels
+from hfcp.mesh import build_mesh
+from workers_model import make_batch, tiny_model
+
+
+def test_zigzag_layout_balances_and_covers():
+    lay = Layout(seq_len=37, cp_size=4, zigzag=True)
+    assert lay.padded_len == 40 and lay.chunk_len == 5
+    assert lay.ranges(0) == ((0, 5), (35, 5)) and lay.ranges(3) == ((15, 5), (20, 5))
+    assert sorted(lay.gathered_order().tolist()) == list(range(40))
+
+
+def test_contiguous_layout():
+    lay = Layout(seq_len=10, cp_size=4, zigzag=False)
+    assert lay.padded_len == 12 and lay.local_index(1).tolist() == [3, 4, 5]
+
+
+def test_document_ids_match_transformers():
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]])
+    assert torch.equal(document_ids(pos), find_packed_sequence_indices(pos))
+
+
+def test_step_batch_marks_padding_and_documents():
+    lay = Layout(seq_len=6, cp_size=2, zigzag=True)  # padded to 8
+    sb = build_step_batch(lay, 0, 1, torch.tensor([[0, 1, 0, 1, 2, 3]]), None, "cpu")
+    assert sb.doc_ids.tolist() == [[0, 0, 1, 1, 1, 1, 2, 2]]
+    assert sb.key_valid.tolist() == [[True] * 6 + [False] * 2]
+    # with an attention_mask, transformers does not detect packing: neither do we
+    sb = build_step_batch(lay, 0, 1, torch.tensor([[0, 1, 0, 1, 2, 3]]), torch.ones(1, 6), "cpu")
+    assert sb.doc_ids is None
+
+
+def test_labels_shift_over_the_global_sequence():
+    """Regression: labels shifted per shard drop the target of every shard's last token."""
+    labels = torch.arange(8)[None]
+    shifted = shift_labels(labels)
+    assert shifted.tolist() == [[1, 2, 3, 4, 5, 6, 7, -100]]
+    lay = Layout(8, 2, zigzag=True)
+    local0 = shifted[:, lay.local_index(0)]
+    assert local0.tolist() == [[1, 2, 7, -100]]  # token 1's target (2) lives in another chunk, kept
+
+
+def test_unsupported_model_type_names_types_and_how_to_register():
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    with pytest.raises(hfcp.UnsupportedModelError, match=r"model_type='gpt2'.*'llama'.*register_patcher"):
+        hfcp.patch(model)
+    assert issubclass(hfcp.UnsupportedModelError, ValueError)
+
+
+def test_unsupported_head_is_refused():
+    cfg = tiny_model("llama").config
+    model = transformers.LlamaForSequenceClassification(cfg)
+    with pytest.raises(hfcp.UnsupportedModelError, match="LlamaForSequenceClassification"):
+        hfcp.patch(model)
+
+
+def test_unknown_strategy_lists_known_ones():
+    with pytest.raises(ValueError, match=r"strategy='zigzag' is not one of \['allgather', 'ring', 'ulysses'\]"):
+        hfcp.patch(tiny_model("llama"), strategy="zigzag")
+
+
+def test_register_patcher_rejects_duplicates():
+    with pytest.raises(ValueError, match="already registered.*replace=True"):
+        hfcp.register_patcher(hfcp.Patcher(model_type="llama", attention_classes=("LlamaAttention",)))
+    assert {"llama", "mistral", "qwen2", "qwen3"} <= set(hfcp.supported_model_types())
+
+
+def test_world_size_one_runs_unchanged():
+    model = tiny_model("llama")
+    batch = make_batch(dict(B=2, L=12))
+    ref = model(**batch).loss
+    assert hfcp.patch(model) is model
+    assert not hasattr(model, "_hfcp_state") and model.config._attn_implementation == "sdpa"
+    assert torch.equal(model(**batch).loss, ref)
+    logits = model(**batch).logits
+    assert hfcp.gather_sequence(logits, model) is logits
+
+
+def test_world_size_in_env_without_process_group_is_an_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 .*init_process_group"):
+        hfcp.patch(tiny_model("llama"))
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "2"])
+def test_bad_cp_size(bad):
+    with pytest.raises(ValueError, match="cp_size"):
+        build_mesh(bad)
+
+
+def test_cp_size_not_dividing_world():
+    with pytest.raises(ValueError, match="cp_size=2 must divide the world size 1"):
+        build_mesh(2)
+
+
+def test_bad_timeout():
+    with pytest.raises(ValueError, match="timeout=-1"):
+        build_mesh(None, timeout=-1)

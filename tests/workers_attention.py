@@ -1,0 +1,122 @@
+"""Attention-level equivalence, run on every rank of a DistPool: CP strategy vs dense single-device math."""
+from __future__ import annotations
+
+import torch
+
+from hfcp.attention import STRATEGIES, MaskSpec
+from hfcp.collectives import all_gather_no_grad
+from hfcp.layout import Layout, build_step_batch
+from hfcp.mesh import build_mesh
+
+_MESHES = {}
+
+
+def mesh_for(cp: int):
+    if cp not in _MESHES:
+        _MESHES[cp] = build_mesh(cp)
+    return _MESHES[cp]
+
+
+def make_case(case: dict):
+    """Full-sequence inputs, identical on every rank (seeded)."""
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    B, H, Hkv, L, D = case["B"], case["H"], case["Hkv"], case["L"], case.get("D", 8)
+    q = torch.randn(B, H, L, D, generator=g)
+    k = torch.randn(B, Hkv, L, D, generator=g)
+    v = torch.randn(B, Hkv, L, D, generator=g)
+    dout = torch.randn(B, H, L, D, generator=g)
+    position_ids = attention_mask = None
+    if case.get("packed"):  # documents of random lengths, positions restart at 0
+        rows = []
+        for _ in range(B):
+            pos, cur = [], 0
+            while len(pos) < L:
+                n = int(torch.randint(1, max(2, L // 2), (1,), generator=g))
+                pos += list(range(n))
+            rows.append(pos[:L])
+        position_ids = torch.tensor(rows)
+    if case.get("padded"):  # left padding on row 0, right padding on the others
+        attention_mask = torch.ones(B, L, dtype=torch.long)
+        attention_mask[0, : L // 3] = 0
+        attention_mask[1:, L - L // 4 :] = 0
+    return q, k, v, dout, position_ids, attention_mask
+
+
+def dense_allowed(case, position_ids, attention_mask):
+    B, L = case["B"], case["L"]
+    qi = torch.arange(L)[:, None]
+    ki = torch.arange(L)[None, :]
+    allowed = torch.ones(L, L, dtype=torch.bool)
+    if case["causal"]:
+        allowed &= ki <= qi
+    if case.get("window"):
+        allowed &= (qi - ki) < case["window"]
+    allowed = allowed.expand(B, L, L).clone()
+    if position_ids is not None:
+        from hfcp.layout import document_ids
+
+        d = document_ids(position_ids)
+        allowed &= d[:, :, None] == d[:, None, :]
+    if attention_mask is not None:
+        allowed &= attention_mask.bool()[:, None, :]
+    return allowed[:, None]  # (B, 1, L, L)
+
+
+def dense_attention(q, k, v, allowed, scale):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    empty = ~allowed.any(-1, keepdim=True)
+    s = s.masked_fill(empty, 0.0)
+    return torch.where(empty, 0.0, torch.softmax(s, -1) @ v)
+
+
+def run_case(case: dict):
+    from hfcp.attention import blocks
+
+    blocks.MAX_TILE = case.get("max_tile", 1024)
+    mesh = mesh_for(case["cp"])
+    q, k, v, dout, position_ids, attention_mask = make_case(case)
+    dtype = case.get("dtype", torch.float32)
+    scale = q.shape[-1] ** -0.5
+    allowed = dense_allowed(case, position_ids, attention_mask)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = dense_attention(qr, kr, vr, allowed, scale)
+    ref.backward(dout)
+
+    B, L = case["B"], case["L"]
+    layout = Layout(L, mesh.cp_size, zigzag=case.get("zigzag", case["causal"]))
+    sb = build_step_batch(layout, mesh.cp_rank, B, position_ids, attention_mask, q.device)
+    idx = sb.local_index
+    P = layout.padded_len
+
+    def shard(t):
+        t = torch.cat([t, t.new_zeros(*t.shape[:2], P - L, t.shape[-1])], 2) if P > L else t
+        return t[:, :, idx].to(dtype).clone().requires_grad_()
+
+    ql, kl, vl = shard(q), shard(k), shard(v)
+    out = STRATEGIES[case["strategy"]](ql, kl, vl, sb, MaskSpec(case["causal"], case.get("window")), scale, mesh.cp_group)
+    out.backward(shard(dout).detach())
+
+    order = layout.gathered_order()
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(P)
+
+    def unshard(t):
+        full = all_gather_no_grad(t.detach().float(), mesh.cp_group, dim=2)
+        return full[:, :, inv][:, :, :L]
+
+    valid_q = allowed.any(-1)[:, :, :, None]  # rows with at least one key: compare; empty rows must be 0
+    got = unshard(out)
+    errs = {}
+    errs["out"] = _rel(got * valid_q, ref.detach() * valid_q)
+    errs["empty_rows_zero"] = float((got * ~valid_q).abs().max())
+    for name, loc, full in (("dq", ql, qr), ("dk", kl, kr), ("dv", vl, vr)):
+        errs[name] = _rel(unshard(loc.grad), full.grad)
+    errs["finite"] = bool(torch.isfinite(got).all())
+    return errs
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
