@@ -13,14 +13,17 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
                    sliding_window=None, is_causal=None, **kwargs):
     """transformers attention function: q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> ((B, L/cp, H, D), None)."""
     state = getattr(module, "_hfcp_state", None)
-    if state is None or state.step is None:
+    step = getattr(attention_mask, "hfcp_step", None)  # the step this call belongs to (see hooks.step_token)
+    if state is not None and step is None:
+        step = state.step
+    if state is None or step is None:
         raise RuntimeError(
             f"{type(module).__name__} uses attn_implementation='hfcp' but was not called through a model "
             "patched by hfcp.patch (or outside its forward); patch the top-level model"
         )
     if dropout:
         raise ValueError(f"attention dropout={dropout} cannot be made exact under CP; set config.attention_dropout=0")
-    local = state.step.layout.local_len
+    local = step.layout.local_len
     if query.shape[2] != local or key.shape[2] != local:
         raise ValueError(
             f"hfcp attention got {query.shape[2]} queries / {key.shape[2]} keys but the step layout holds "
@@ -29,7 +32,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     spec = MaskSpec(bool(causal), sliding_window)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = STRATEGIES[state.strategy](query, key, value, state.step, spec, scale, state.mesh.cp_group)
+    out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.mesh.cp_group)
     return out.transpose(1, 2).contiguous(), None
 
 

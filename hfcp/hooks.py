@@ -22,6 +22,18 @@ def _as_kwargs(module, args, kwargs) -> dict:
     return {**named, **kwargs}
 
 
+def step_token(sb, device) -> torch.Tensor:
+    """A (1, 1, 1, 1) stand-in for the 4D mask that carries this step's StepBatch to every attention call.
+
+    transformers passes a 4D mask through unchanged to each layer, so the step travels with the call
+    arguments: a layer recomputed by gradient checkpointing sees its own step even after later forwards.
+    No L x L mask is ever built: attention derives block masks from global indices.
+    """
+    token = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=device)
+    token.hfcp_step = sb
+    return token
+
+
 class ShardSequenceHook(ModelHook):
     """pre_forward: full batch -> per-step layout + local input_ids/inputs_embeds/position_ids, shifted
     local labels kept aside; post_forward: loss = global token-weighted mean, equal on every rank."""
@@ -65,7 +77,7 @@ class ShardSequenceHook(ModelHook):
         if embeds is not None:
             kw["inputs_embeds"] = pad_to(embeds, P, 1, 0.0).index_select(1, idx)
         kw["position_ids"] = pad_to(pos.expand(B, -1), P, 1, 0).index_select(1, idx)
-        kw["attention_mask"] = None  # masks come from the step layout, never an L x L tensor
+        kw["attention_mask"] = step_token(sb, x.device)
         st.targets = st.denominator = None
         labels = kw.pop("labels", None) if st.head == "causal_lm" else None
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None

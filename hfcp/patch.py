@@ -152,6 +152,8 @@ def cp_state(model) -> CPState | None:
 def gather_sequence(tensor: torch.Tensor, model, dim: int = 1) -> torch.Tensor:
     """The full sequence (original order and length) of a local sequence output such as logits.
 
+    Applies to outputs of the model's latest forward (the layout is per step); gather before the next forward.
+
     Differentiable: the backward sums over the CP group and returns each rank its slice (consistent with the
     loss convention, so mean-over-group grads stay exact). Unpatched models: returns `tensor` unchanged.
     """

@@ -37,6 +37,7 @@ def test_dp2_x_cp2(pool4, strategy):
 VARIANTS = {
     "packed": dict(packed=True),
     "padded": dict(padded=True),
+    "left_padded": dict(padded="left"),
     "packed_sliding": dict(family="mistral", packed=True),
     "lora": dict(lora=True),
     "lora_checkpointing": dict(lora=True, checkpointing=True),
@@ -53,3 +54,22 @@ VARIANTS = {
 def test_variants(pool2, strategy, variant):
     case = {**dict(family="llama", strategy=strategy, cp=2, B=2, L=29), **VARIANTS[variant]}
     _check(pool2.run(W.run_case, case))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ddp_dp2_x_cp2_each_cp_group_its_own_batch(pool4, strategy):
+    """World 4, cp 2, DDP: each CP group runs its own batch; DDP-averaged grads == mean of single-device grads."""
+    case = dict(family="llama", strategy=strategy, cp=2, B=2, L=29, ddp=True, dp_batches=True, lora=True)
+    results = pool4.run(W.run_case, case)
+    for r in results:
+        assert r["loss"] < TOL and r["seq"] < TOL and r["grad"] < TOL, r
+    assert results[0]["loss_value"] == results[1]["loss_value"] != results[2]["loss_value"] == results[3]["loss_value"]
+
+
+def test_patch_before_get_peft_model(pool2):
+    _check(pool2.run(W.run_case, dict(family="llama", strategy="ring", cp=2, B=2, L=29, lora=True, patch_first=True)))
+
+
+def test_bf16_close_to_fp32_reference(pool2):
+    results = pool2.run(W.run_case, dict(family="llama", strategy="ring", cp=2, B=2, L=29, dtype="bf16"))
+    assert results[0]["loss"] < 2e-2 and results[0]["seq"] < 5e-2, results[0]
