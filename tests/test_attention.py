@@ -63,3 +63,31 @@ def test_fully_masked_rows_and_blocks_give_zero_not_nan(pool2):
 def test_ulysses_indivisible_heads_names_both_numbers(pool2):
     with pytest.raises(RuntimeError, match="num_key_value_heads=1 .*cp_size=2.*strategy='ring'"):
         pool2.run(W.run_case, {**_case("ulysses", "causal", 2), "Hkv": 1})
+
+
+def test_math_kernel_tiles_match_dense(monkeypatch):
+    """The plain-math tile kernel (used off CPU, every tile split to MAX_TILE) equals dense attention,
+    forward and backward."""
+    from hfcp.attention import blocks, kernels
+    from hfcp.layout import Layout, build_step_batch
+
+    case = dict(B=2, H=4, Hkv=2, L=40, causal=True, packed=True, window=9)
+    q, k, v, dout, pos, mask = W.make_case(case)
+    scale = 8 ** -0.5
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = W.dense_attention(qr, kr, vr, W.dense_allowed(case, pos, mask), scale)
+    ref.backward(dout)
+    monkeypatch.setattr(blocks, "has_fused_kernel", lambda device: False)  # as on a GPU
+    monkeypatch.setattr(blocks, "kernel_forward", kernels.reference_forward)
+    monkeypatch.setattr(blocks, "kernel_backward", kernels.reference_backward)
+    monkeypatch.setattr(blocks, "MAX_TILE", 8)
+    sb = build_step_batch(Layout(40, 1, zigzag=False), 0, 2, pos, mask, "cpu")
+    tiles = blocks.plan_tiles(blocks.MaskSpec(True, 9), sb, [(0, 40)], [(0, 40)], q.dtype, q.device)
+    assert len(tiles) > 5 and all(t.q_len * t.k_len <= 64 for t in tiles)
+    out, lse = blocks.new_accumulators(q)
+    blocks.forward_tiles(q, k, v, tiles, scale, out, lse)
+    assert float((out - ref).abs().max()) < 1e-5
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    blocks.backward_tiles(dout, q, k, v, out, lse, tiles, scale, dq, dk, dv)
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-5

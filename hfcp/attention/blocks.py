@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import Range, StepBatch
-from .kernels import NEG_INF, kernel_backward, kernel_forward, lse_for_backward, merge_into
+from .kernels import NEG_INF, has_fused_kernel, kernel_backward, kernel_forward, lse_for_backward, merge_into
 
 MAX_TILE = 1024
 
@@ -100,13 +100,15 @@ def _plan_pair(spec, sb, q, k, dtype, device, tiles) -> None:
     kind, only_causal = _classify(spec, sb, qs, ql, ks, kl)
     if kind == "skip":
         return
-    if kind == "full":
+    big = ql * kl > MAX_TILE * MAX_TILE
+    fused = has_fused_kernel(device)  # a fused kernel tiles internally; the math kernel needs small tiles
+    if kind == "full" and (fused or not big):
         tiles.append(Tile(qo, ql, ko, kl))
         return
-    if only_causal and qs == ks and ql == kl:
+    if only_causal and qs == ks and ql == kl and (fused or not big):
         tiles.append(Tile(qo, ql, ko, kl, is_causal=True))
         return
-    if ql * kl > MAX_TILE * MAX_TILE:  # split the longer side and classify the halves again
+    if big:  # split the longer side and classify the halves again
         if ql >= kl:
             h = ql // 2
             _plan_pair(spec, sb, (qs, h, qo), k, dtype, device, tiles)

@@ -62,6 +62,11 @@ def reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def has_fused_kernel(device) -> bool:
+    """Whether blocks run on a fused kernel that tiles internally (CPU flash); else the math kernel."""
+    return torch.device(device).type == "cpu"
+
+
 def kernel_forward(q, k, v, mask, is_causal: bool, scale: float):
     """One block of attention: returns (out in q's dtype, lse float32)."""
     if q.device.type == "cpu":
