@@ -1,0 +1,78 @@
+"""Data for finetune_lora.py: the embedded long-range corpus, a byte tokenizer, loading and packing."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+WORDS = ("the of and to in is was for on that with as by at from his her they which this be were are "
+         "river stone field light north market winter garden letter signal").split()
+KEY_CHARS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, plus BOS=256, EOS=257 (vocab 260): needs nothing from the network."""
+
+    bos_token_id, eos_token_id, vocab_size = 256, 257, 260
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_token_id, *text.encode("utf-8"), self.eos_token_id]
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def key_document(rng: random.Random, length: int) -> tuple[str, str]:
+    """A document whose last characters repeat a key given at its start: predicting them needs attention
+    that reaches back across the whole document (and so across shard boundaries)."""
+    key = "".join(rng.choice(KEY_CHARS) for _ in range(8))
+    head, tail = f"key {key}. ", f" so the key is {key}."
+    body = []
+    while sum(len(w) + 1 for w in body) < length - len(head) - len(tail):
+        body.append(rng.choice(WORDS))
+    return head + " ".join(body) + tail, key
+
+
+def embedded_corpus(n_docs: int, doc_chars: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [key_document(rng, doc_chars)[0] for _ in range(n_docs)]
+
+
+def load_texts(path: str) -> list[str]:
+    """A directory of .txt files or a .jsonl file with a "text" field. Raises ValueError if no text."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"--data {path}: no such file or directory")
+    if p.is_dir():
+        texts = [f.read_text(encoding="utf-8") for f in sorted(p.glob("*.txt"))]
+    else:
+        texts = [json.loads(line).get("text", "") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError(f"--data {path}: found no text (expected *.txt files or a .jsonl with a 'text' field)")
+    return texts
+
+
+def pack(docs: list[list[int]], seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Pack token lists into (input_ids, position_ids, labels) rows of seq_len; documents keep their
+    boundaries through position_ids resets (a document longer than seq_len is cut into pieces, each
+    starting at position 0); the padding that fills the last row is ignored in the loss."""
+    rows, ids, pos = [], [], []
+    for doc in docs:
+        for start in range(0, len(doc), seq_len):
+            piece = doc[start : start + seq_len]
+            if len(ids) + len(piece) > seq_len:
+                rows.append((ids, pos))
+                ids, pos = [], []
+            ids += piece
+            pos += list(range(len(piece)))
+    if ids:
+        rows.append((ids, pos))
+    out = []
+    for ids, pos in rows:
+        pad = seq_len - len(ids)
+        out.append((torch.tensor(ids + [0] * pad), torch.tensor(pos + list(range(len(pos), len(pos) + pad))),
+                    torch.tensor(ids + [-100] * pad)))
+    return out
