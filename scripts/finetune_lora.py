@@ -1,7 +1,7 @@
 """LoRA fine-tuning on long documents, context-parallel with hfcp, launched with accelerate.
 
-    accelerate launch --multi_gpu --num_processes 2 scripts/finetune_lora.py --max-steps 60
-    python scripts/finetune_lora.py --max-steps 60            # one process: the same losses
+    accelerate launch --multi_gpu --num_processes 2 scripts/finetune_lora.py
+    python scripts/finetune_lora.py            # one process: the same losses
 
 Defaults need nothing from the network: a tiny Llama built from scripts/configs/tiny_llama.json and a
 generated corpus whose documents end by repeating a key given at their start (long-range metric: the
@@ -31,13 +31,13 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="local checkpoint directory (default: embedded tiny Llama, random weights)")
     ap.add_argument("--data", help="directory of .txt files or .jsonl with 'text' (default: embedded corpus)")
-    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=1, help="rows per CP group per micro-step")
     ap.add_argument("--cp-size", type=int, default=None, help="ranks per CP group (default: all processes)")
     ap.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses"])
     ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--max-steps", type=int, default=60)
+    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--output-dir", default="runs/finetune")

@@ -47,6 +47,7 @@ def test_cp2_losses_equal_single_process(runs):
 def test_metrics_fields(runs):
     rec = json.loads((runs / "cp2" / "metrics.jsonl").read_text().splitlines()[0])
     assert {"step", "loss", "tokens_per_s", "peak_mem_mb"} <= rec.keys() and rec["step"] == 1
+    assert (runs / "cp2" / "loss_curve.png").stat().st_size > 1000
 
 
 def test_resume_reproduces_uninterrupted_losses(runs):
