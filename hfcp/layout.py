@@ -49,6 +49,10 @@ class Layout:
             return ((rank * c, c),)
         return ((rank * c, c), ((2 * self.cp_size - 1 - rank) * c, c))
 
+    def all_ranges(self) -> list[Range]:
+        """Every rank's ranges, in rank order: the order of a tensor gathered over the CP group."""
+        return [r for owner in range(self.cp_size) for r in self.ranges(owner)]
+
     def local_index(self, rank: int, device=None) -> torch.Tensor:
         """(local_len,) global index of each local token of `rank`."""
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.ranges(rank)])

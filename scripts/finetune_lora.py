@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import resource
@@ -95,15 +94,11 @@ def encode_docs(args, tok, texts):
     return [tok.encode(t) if isinstance(tok, ByteTokenizer) else tok(t)["input_ids"] for t in texts]
 
 
-def batches_for_step(rows, step, micro, batch_size, dp_rank, dp_size):
-    """Deterministic data order: optimizer step s, micro-step m -> the same rows on every CP rank."""
-    start = ((step * micro_count(micro) + micro[0]) * dp_size + dp_rank) * batch_size
+def batches_for_step(rows, step, micro, n_micro, batch_size, dp_rank, dp_size):
+    """Deterministic data order: optimizer step, micro-step -> the same rows on every rank of a CP group."""
+    start = ((step * n_micro + micro) * dp_size + dp_rank) * batch_size
     picked = [rows[(start + i) % len(rows)] for i in range(batch_size)]
     return {k: torch.stack([r[j] for r in picked]) for j, k in enumerate(("input_ids", "position_ids", "labels"))}
-
-
-def micro_count(micro):
-    return micro[1]
 
 
 @torch.no_grad()
@@ -139,7 +134,7 @@ def main(argv=None):
     args = parse_args(argv)
     texts = validate(args, int(os.environ.get("WORLD_SIZE", "1")))
     from accelerate import Accelerator
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
     from tqdm.auto import tqdm
 
     import hfcp
@@ -178,7 +173,7 @@ def main(argv=None):
         loss_sum = 0.0
         for m in range(args.grad_accum):
             batch = {k: v.to(acc.device) for k, v in
-                     batches_for_step(rows, step, (m, args.grad_accum), args.batch_size, dp_rank, dp_size).items()}
+                     batches_for_step(rows, step, m, args.grad_accum, args.batch_size, dp_rank, dp_size).items()}
             out = model(**batch)
             acc.backward(out.loss / args.grad_accum)
             loss_sum += out.loss.item() / args.grad_accum

@@ -29,7 +29,7 @@ def make_case(case: dict):
     if case.get("packed"):  # documents of random lengths, positions restart at 0
         rows = []
         for _ in range(B):
-            pos, cur = [], 0
+            pos = []
             while len(pos) < L:
                 n = int(torch.randint(1, max(2, L // 2), (1,), generator=g))
                 pos += list(range(n))

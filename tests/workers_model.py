@@ -1,7 +1,6 @@
 """Model-level equivalence, run on every rank of a DistPool: patched vs unpatched tiny seeded models."""
 from __future__ import annotations
 
-import copy
 
 import torch
 import torch.distributed as dist

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import all_gather_no_grad, group_rank, group_size, reduce_scatter_sum
+from ..collectives import all_gather_no_grad, group_rank, reduce_scatter_sum
 from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
 
@@ -15,16 +15,13 @@ def _gather_kv(k, v, group):
     return kv[0], kv[1]
 
 
-def _all_ranges(sb: StepBatch, cp: int):
-    return [r for owner in range(cp) for r in sb.layout.ranges(owner)]
-
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sb, spec, scale, group):
-        cp, rank = group_size(group), group_rank(group)
+        rank = group_rank(group)
         k_all, v_all = _gather_kv(k, v, group)
-        tiles = plan_tiles(spec, sb, sb.layout.ranges(rank), _all_ranges(sb, cp), q.dtype, q.device)
+        tiles = plan_tiles(spec, sb, sb.layout.ranges(rank), sb.layout.all_ranges(), q.dtype, q.device)
         out, lse = new_accumulators(q)
         forward_tiles(q, k_all, v_all, tiles, scale, out, lse)
         out = out.to(q.dtype)
@@ -36,9 +33,9 @@ class AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         sb, spec, scale, group = ctx.args
-        cp, rank = group_size(group), group_rank(group)
+        rank = group_rank(group)
         k_all, v_all = _gather_kv(k, v, group)
-        tiles = plan_tiles(spec, sb, sb.layout.ranges(rank), _all_ranges(sb, cp), q.dtype, q.device)
+        tiles = plan_tiles(spec, sb, sb.layout.ranges(rank), sb.layout.all_ranges(), q.dtype, q.device)
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk_all = torch.zeros_like(k_all, dtype=torch.float32)
         dv_all = torch.zeros_like(v_all, dtype=torch.float32)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Range, StepBatch
+from ..layout import StepBatch
 from .kernels import NEG_INF, has_fused_kernel, kernel_backward, kernel_forward, lse_for_backward, merge_into
 
 MAX_TILE = 1024

@@ -27,9 +27,6 @@ def _to_sequence(x, group):  # (B, H/cp, L, D) -> (B, H, L/cp, D)
     return all_to_all(x, group, scatter_dim=2, gather_dim=1)
 
 
-def _all_ranges(sb: StepBatch, cp: int):
-    return [r for owner in range(cp) for r in sb.layout.ranges(owner)]
-
 
 class UlyssesAttention(torch.autograd.Function):
     @staticmethod
@@ -37,7 +34,7 @@ class UlyssesAttention(torch.autograd.Function):
         cp = group_size(group)
         check_heads(q.shape[1], k.shape[1], cp)
         qf, kf, vf = (_to_heads(t, group) for t in (q, k, v))
-        ranges = _all_ranges(sb, cp)
+        ranges = sb.layout.all_ranges()
         tiles = plan_tiles(spec, sb, ranges, ranges, q.dtype, q.device)
         out_f, lse_f = new_accumulators(qf)
         forward_tiles(qf, kf, vf, tiles, scale, out_f, lse_f)
@@ -50,7 +47,7 @@ class UlyssesAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qf, kf, vf, out_f, lse_f = ctx.saved_tensors
         sb, spec, scale, group = ctx.args
-        ranges = _all_ranges(sb, group_size(group))
+        ranges = sb.layout.all_ranges()
         tiles = plan_tiles(spec, sb, ranges, ranges, qf.dtype, qf.device)
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (qf, kf, vf))
         backward_tiles(_to_heads(dout.contiguous(), group), qf, kf, vf, out_f, lse_f, tiles, scale, dq, dk, dv)
