@@ -17,8 +17,9 @@ class ByteTokenizer:
 
     bos_token_id, eos_token_id, vocab_size = 256, 257, 260
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_token_id, *text.encode("utf-8"), self.eos_token_id]
+    def __call__(self, text: str) -> dict:
+        """Like a transformers tokenizer: BOS + bytes (no EOS)."""
+        return {"input_ids": [self.bos_token_id, *text.encode("utf-8")]}
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -33,6 +34,21 @@ def key_document(rng: random.Random, length: int) -> tuple[str, str]:
     while sum(len(w) + 1 for w in body) < length - len(head) - len(tail):
         body.append(rng.choice(WORDS))
     return head + " ".join(body) + tail, key
+
+
+def encode_document(tok, text: str) -> list[int]:
+    """Token ids of one training document, ended by EOS when the tokenizer has one."""
+    ids = list(tok(text)["input_ids"])
+    eos = getattr(tok, "eos_token_id", None)
+    return ids + [eos] if eos is not None else ids
+
+
+def key_span(tok, text: str, key: str) -> tuple[list[int], int, int]:
+    """(ids, start, end): the tokens [start, end) of `ids` spell the final occurrence of `key`."""
+    cut = text.rindex(key) - 1  # keep the space with the key, as BPE tokenizers do
+    ids = list(tok(text)["input_ids"])
+    start, end = len(tok(text[:cut])["input_ids"]), len(tok(text[:cut] + " " + key)["input_ids"])
+    return ids, start, end
 
 
 def embedded_corpus(n_docs: int, doc_chars: int, seed: int) -> list[str]:
