@@ -1,4 +1,5 @@
 """hfcp: make Hugging Face models context-parallel with one line (see DESIGN.md)."""
+from .collectives import CollectiveError
 from .data import data_parallel_rank_and_size
 from .patch import cp_state, gather_sequence, patch, unpatch
 from .registry import Patcher, UnsupportedModelError, register_patcher, supported_model_types
@@ -7,6 +8,6 @@ from . import patches  # noqa: E402,F401  (registers the families; installed fro
 
 __all__ = [
     "patch", "unpatch", "gather_sequence", "cp_state", "data_parallel_rank_and_size",
-    "UnsupportedModelError", "Patcher", "register_patcher", "supported_model_types",
+    "UnsupportedModelError", "CollectiveError", "Patcher", "register_patcher", "supported_model_types",
 ]
 __version__ = "0.1.0"

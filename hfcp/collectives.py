@@ -7,8 +7,35 @@ an all-reduce-sum is an all-reduce-sum, and the mean of the parameter grads over
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (now deprecated) to *_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective of hfcp failed or timed out: a peer rank raised, died or took another code path."""
+
+
+@contextlib.contextmanager
+def guarded(what: str, group):
+    """Re-raise backend errors (timeouts, closed connections) with what hfcp was doing and what to check."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        ranks = dist.get_process_group_ranks(group)
+        raise CollectiveError(
+            f"hfcp {what} on the CP group (global ranks {ranks}) failed on rank {dist.get_rank()}: {e}. "
+            "A peer rank probably raised, died or skipped this step; see the other ranks' output "
+            "(hfcp.patch(timeout=...) bounds how long a rank waits)"
+        ) from e
 
 
 def group_size(group) -> int:
@@ -22,27 +49,29 @@ def group_rank(group) -> int:
 def _reduce_scatter_sum(full: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Sum `full` over the group and return this rank's equal slice along `dim`."""
     size, rank = group_size(group), group_rank(group)
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: all-reduce, then take the slice
-        full = full.contiguous().clone()
-        dist.all_reduce(full, group=group)
-        return full.chunk(size, dim=dim)[rank].contiguous()
-    moved = full.movedim(dim, 0).contiguous()  # (size * n, ...)
-    out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=full.dtype, device=full.device)
-    dist.reduce_scatter_tensor(out, moved, group=group)
-    return out.movedim(0, dim).contiguous()
+    with guarded("reduce-scatter", group):
+        if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: all-reduce, then take the slice
+            full = full.contiguous().clone()
+            dist.all_reduce(full, group=group)
+            return full.chunk(size, dim=dim)[rank].contiguous()
+        moved = full.movedim(dim, 0).contiguous()  # (size * n, ...)
+        out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=full.dtype, device=full.device)
+        _reduce_scatter_single(out, moved, group=group)
+        return out.movedim(0, dim).contiguous()
 
 
 def _all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Concatenate every rank's `x` (same shape on all ranks) along `dim`, in group-rank order."""
     size = group_size(group)
     x = x.contiguous()
-    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device) if dim == 0 else None
-    if out is not None:
-        dist.all_gather_into_tensor(out, x, group=group)
-        return out
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
+    with guarded("all-gather", group):
+        if dim == 0:
+            out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+            _all_gather_single(out, x, group=group)
+            return out
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=dim)
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -50,13 +79,15 @@ class _AllReduceSum(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         x = x.clone()
-        dist.all_reduce(x, group=group)
+        with guarded("loss all-reduce", group):
+            dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        with guarded("loss all-reduce (backward)", ctx.group):
+            dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -95,7 +126,8 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
     size = group_size(group)
     inputs = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
     outputs = [torch.empty_like(inputs[0]) for _ in range(size)]
-    dist.all_to_all(outputs, inputs, group=group)
+    with guarded("all-to-all", group):
+        dist.all_to_all(outputs, inputs, group=group)
     return torch.cat(outputs, dim=gather_dim)
 
 
@@ -121,13 +153,15 @@ class RingComm:
         recvs = [torch.empty_like(t) for t in sends]
         ops = [dist.P2POp(dist.isend, t, self.send_to, self.group, self.tag) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.recv_from, self.group, self.tag) for t in recvs]
-        self._pending = (dist.batch_isend_irecv(ops), recvs, sends)
+        with guarded("ring exchange", self.group):
+            self._pending = (dist.batch_isend_irecv(ops), recvs, sends)
 
     def wait(self) -> list[torch.Tensor]:
         if self._pending is None:
             raise RuntimeError("RingComm.wait called with no exchange in flight")
         works, recvs, _ = self._pending
-        for w in works:
-            w.wait()
         self._pending = None
+        with guarded(f"ring exchange (send to rank {self.send_to}, receive from rank {self.recv_from})", self.group):
+            for w in works:
+                w.wait()
         return recvs

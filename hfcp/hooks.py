@@ -6,6 +6,7 @@ import inspect
 import torch
 from accelerate.hooks import ModelHook
 
+from .checks import check_same_batch, check_shapes
 from .layout import Layout, build_step_batch, pad_to
 from .loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 
@@ -58,12 +59,10 @@ class ShardSequenceHook(ModelHook):
         if x is None:
             raise ValueError("hfcp needs input_ids or inputs_embeds to shard the sequence")
         B, L = x.shape[:2]
+        check_shapes(kw, B, L)
+        if st.check_inputs:
+            check_same_batch(kw, st.mesh.cp_group)
         mask = kw.get("attention_mask")
-        if mask is not None and mask.dim() != 2:
-            raise ValueError(
-                f"attention_mask of shape {tuple(mask.shape)}: hfcp builds masks from global token indices and "
-                "accepts only a 2D (batch, seq) padding mask; a custom 4D mask would be silently wrong"
-            )
         layout = Layout(L, st.mesh.cp_size, st.zigzag)
         pos = kw.get("position_ids")
         if pos is None:

@@ -31,6 +31,7 @@ class CPState:
     zigzag: bool
     original_attn: str
     settings: tuple
+    check_inputs: bool = True
     modules: list = field(default_factory=list)
     step: StepBatch | None = None
     targets: torch.Tensor | None = None
@@ -68,7 +69,8 @@ def _head_kind(model: PreTrainedModel, model_type: str) -> str:
     )
 
 
-def patch(model, cp_size: int | None = None, strategy: str = "ring", process_group=None, timeout=None):
+def patch(model, cp_size: int | None = None, strategy: str = "ring", process_group=None, timeout=None,
+          check_inputs: bool = True):
     """Make `model` context-parallel in place and return it.
 
     Args:
@@ -77,6 +79,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         strategy: "ring", "allgather" or "ulysses".
         process_group: an existing group to use as the CP group.
         timeout: seconds or timedelta bounding every collective on the CP group.
+        check_inputs: verify each step (one tiny all-gather) that every rank of a CP group got the same batch.
     Returns:
         The same model object. With one process or cp_size 1 the model is left unchanged.
     Raises:
@@ -113,7 +116,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
                     getattr(cfg, patcher.num_heads_attr), mesh.cp_size)
     register_with_transformers()
     state = CPState(mesh, strategy, patcher, head, zigzag=patcher.causal,
-                    original_attn=inner.config._attn_implementation, settings=settings, modules=modules)
+                    original_attn=inner.config._attn_implementation, settings=settings,
+                    check_inputs=check_inputs, modules=modules)
     inner.set_attn_implementation(KEY)
     inner._hfcp_state = state
     for m in modules:

@@ -145,8 +145,10 @@ def main(argv=None):
     rows = pack(docs, args.seq_len)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # random-weight default: its embeddings carry no meaning yet, so they train too (a real checkpoint: LoRA only)
     lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                      modules_to_save=None if args.model else ["embed_tokens", "lm_head"])
     torch.manual_seed(args.seed)
     model = get_peft_model(model, lora)
     hfcp.patch(model, cp_size=args.cp_size, strategy=args.strategy)

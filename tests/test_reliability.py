@@ -1,0 +1,58 @@
+"""Bad input and faults: a clear error on every rank, nothing silently wrong, no hang."""
+import pytest
+
+import workers_faults as WF
+import workers_reliability as W
+from dist_pool import DistPool
+
+
+@pytest.mark.parametrize("kind", ["content", "shape"])
+def test_ranks_with_different_batches_are_reported_on_every_rank(pool2, kind):
+    for msg in pool2.run(W.mismatched_batches, kind):
+        assert msg and "global ranks [1] differ from rank 0" in msg and "check_inputs=False" in msg, msg
+
+
+def test_batch_check_can_be_turned_off(pool2):
+    assert pool2.run(W.mismatched_batches, "content", False) == [None, None]
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("labels_shape", "labels has shape (2, 10) but the input is (batch=2, seq=16)"),
+    ("position_shape", "position_ids has shape (1, 15) but the input is (batch=2, seq=16)"),
+    ("mask_4d", "attention_mask of shape (2, 1, 16, 16)"),
+    ("use_cache", "KV cache"),
+    ("generate", "hfcp.unpatch(model) to generate"),
+])
+def test_bad_calls_raise_clear_errors_on_every_rank(pool2, kind, message):
+    for msg in pool2.run(W.bad_call, kind):
+        assert msg and message in msg, msg
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("cp_too_big", "cp_size=4 must divide the world size 2"),
+    ("ulysses_heads", "num_attention_heads=3 and num_key_value_heads=1 are not both divisible by cp_size=2"),
+])
+def test_bad_patch_settings(pool2, kind, message):
+    for msg in pool2.run(W.bad_patch, kind):
+        assert msg and message in msg, msg
+
+
+def test_same_seed_gives_bitwise_identical_losses(pool2):
+    for (l1, g1), (l2, g2) in pool2.run(W.loss_twice):
+        assert l1 == l2 and g1 == g2
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_sweep_equivalence(pool4, seed):
+    for case, errs in pool4.run(W.random_draws, 6, seed)[0:1][0]:
+        assert errs["loss"] < 1e-5 and errs["seq"] < 1e-5 and errs["grad"] < 1e-5, (case, errs)
+
+
+def test_killed_rank_survivor_raises_within_timeout():
+    pool = DistPool(2)
+    try:
+        r = pool.run(WF.one_rank_dies_mid_step, 5.0, timeout=120, expect=[0])[0]
+    finally:
+        pool.close(kill=True)
+    assert r["raised"] == "CollectiveError" and r["after_s"] < 15, r
+    assert "peer rank probably raised, died" in r["message"], r

@@ -1,0 +1,96 @@
+"""Workers for bad-input and determinism tests (run on every rank of a pool)."""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+
+import hfcp
+from workers_model import make_batch, tiny_model
+
+
+def _patched(**kw):
+    return hfcp.patch(tiny_model("llama"), **kw)
+
+
+def mismatched_batches(kind: str, check: bool = True):
+    model = _patched(check_inputs=check)
+    batch = make_batch(dict(B=2, L=16))
+    if dist.get_rank() == 1:
+        if kind == "content":
+            batch["input_ids"][0, 3] += 1
+        else:
+            batch = make_batch(dict(B=2, L=18))
+    try:
+        model(**batch)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def bad_call(kind: str):
+    model = _patched()
+    batch = make_batch(dict(B=2, L=16))
+    if kind == "labels_shape":
+        batch["labels"] = batch["labels"][:, :10]
+    elif kind == "mask_4d":
+        batch["attention_mask"] = torch.ones(2, 1, 16, 16)
+    elif kind == "position_shape":
+        batch["position_ids"] = torch.arange(15)[None]
+    elif kind == "use_cache":
+        batch["use_cache"] = True
+    elif kind == "generate":
+        try:
+            model.generate(batch["input_ids"][:, :4], max_new_tokens=2)
+        except ValueError as e:
+            return str(e)
+        return None
+    try:
+        model(**batch)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def bad_patch(kind: str):
+    try:
+        if kind == "cp_too_big":
+            _patched(cp_size=4)
+        elif kind == "ulysses_heads":
+            hfcp.patch(tiny_model("llama", num_attention_heads=3, num_key_value_heads=1, head_dim=8,
+                                  hidden_size=24), strategy="ulysses")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def loss_twice():
+    out = []
+    for _ in range(2):
+        model = _patched()
+        loss = model(**make_batch(dict(B=2, L=29, packed=True))).loss
+        loss.backward()
+        out.append((float(loss), float(next(model.parameters()).grad.abs().sum())))
+    return out
+
+
+def random_draws(n: int, seed: int):
+    """A seeded sweep over length, batch, padding, packing, sliding window, strategy: patched == unpatched."""
+    from workers_model import run_case
+
+    rng = random.Random(seed)
+    world = dist.get_world_size()
+    results = []
+    for _ in range(n):
+        cp = rng.choice([c for c in (2, 4) if world % c == 0])
+        case = dict(family=rng.choice(["llama", "mistral"]), strategy=rng.choice(["ring", "allgather", "ulysses"]),
+                    cp=cp, B=rng.randint(1, 3), L=rng.randint(3, 70), packed=rng.random() < 0.4,
+                    padded=rng.choice([False, "left", True]) if rng.random() < 0.4 else False,
+                    config=dict(num_key_value_heads=4, sliding_window=rng.randint(2, 20)))
+        if case["packed"] and case["padded"]:
+            case["padded"] = False  # transformers detects packing only without an attention_mask
+        if case["B"] < 2 and case["padded"]:
+            case["B"] = 2
+        results.append((case, run_case(case)))
+    return results
