@@ -8,7 +8,8 @@ from accelerate.hooks import ModelHook
 
 from .checks import check_same_batch, check_shapes
 from .layout import Layout, build_step_batch, pad_to
-from .loss import IGNORE_INDEX, causal_lm_loss, shift_labels
+from .collectives import all_reduce_sum
+from .loss import IGNORE_INDEX, causal_lm_loss, chunked_ce_sum, shift_labels
 
 
 def _as_kwargs(module, args, kwargs) -> dict:
@@ -84,16 +85,42 @@ class ShardSequenceHook(ModelHook):
             shifted = shift_labels(labels)
             st.denominator = num_items if num_items is not None else (shifted != IGNORE_INDEX).sum()
             st.targets = pad_to(shifted, P, 1, IGNORE_INDEX).index_select(1, idx.to(labels.device))
+            if st.loss_chunk:
+                self._chunk_head(module)
         return (), kw
+
+    def _chunk_head(self, module):
+        """For this forward, the output head computes the loss sum chunk by chunk instead of the logits."""
+        st = self.state
+        head = module.get_output_embeddings()
+        original = head.forward
+        targets = st.targets
+
+        def loss_instead_of_logits(hidden, *args, **kwargs):
+            head.forward = original  # one call only, and chunks call the real head
+            st.loss_sum = chunked_ce_sum(hidden, targets, head, st.loss_chunk)
+            return hidden.new_zeros(*hidden.shape[:-1], 0)  # (B, L/cp, 0): no logits materialised
+
+        head.forward = loss_instead_of_logits
+        self._restore_head = lambda: setattr(head, "forward", original)
 
     def post_forward(self, module, output):
         st = self.state
         if st.targets is None:
             return output
-        loss = causal_lm_loss(output["logits"] if not isinstance(output, tuple) else output[0],
-                              st.targets, st.denominator, st.mesh.cp_group)
+        if st.loss_chunk:
+            self._restore_head()
+            if st.loss_sum is None:
+                raise RuntimeError(f"{type(module).__name__} did not call its output head; use loss_chunk=None")
+            loss = all_reduce_sum(st.loss_sum, st.mesh.cp_group) / st.denominator
+            st.loss_sum = None
+        else:
+            loss = causal_lm_loss(output["logits"] if not isinstance(output, tuple) else output[0],
+                                  st.targets, st.denominator, st.mesh.cp_group)
         st.targets = st.denominator = None
         if isinstance(output, tuple):
-            return (loss, *output)
+            return (loss, *(output[1:] if st.loss_chunk else output))
         fields = {k: v for k, v in output.items() if k != "loss"}
+        if st.loss_chunk:
+            fields["logits"] = None  # never materialised; pass loss_chunk=None to hfcp.patch to get them
         return type(output)(loss=loss, **fields)

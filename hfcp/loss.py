@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .collectives import all_reduce_sum
 
@@ -39,3 +40,24 @@ def causal_lm_loss(logits: torch.Tensor, local_targets: torch.Tensor, denominato
     if isinstance(denominator, torch.Tensor):
         denominator = denominator.to(total.device)
     return total / denominator
+
+
+def _chunk_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int) -> torch.Tensor:
+    """sum of CE(head(hidden), targets) over valid tokens, `chunk` tokens at a time: the (tokens x vocab)
+    logits of a chunk exist only inside it, and backward recomputes them (activation checkpointing).
+
+    hidden (B, L, H), targets (B, L) -> scalar fp32 (0 when no target is valid, never NaN).
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).to(hidden.device)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, t.numel(), chunk):
+        tc = t[start : start + chunk]
+        if not bool((tc != IGNORE_INDEX).any()):
+            continue  # no target here: no logits needed
+        total = total + checkpoint(_chunk_ce_sum, h[start : start + chunk], tc, head, use_reentrant=False)
+    return total

@@ -32,10 +32,12 @@ class CPState:
     original_attn: str
     settings: tuple
     check_inputs: bool = True
+    loss_chunk: int | None = None
     modules: list = field(default_factory=list)
     step: StepBatch | None = None
     targets: torch.Tensor | None = None
     denominator: object = None
+    loss_sum: torch.Tensor | None = None
 
     def __deepcopy__(self, memo):  # process groups cannot be copied; a deep copy shares the CP state
         return self
@@ -70,7 +72,7 @@ def _head_kind(model: PreTrainedModel, model_type: str) -> str:
 
 
 def patch(model, cp_size: int | None = None, strategy: str = "ring", process_group=None, timeout=None,
-          check_inputs: bool = True):
+          check_inputs: bool = True, loss_chunk: int | None = None):
     """Make `model` context-parallel in place and return it.
 
     Args:
@@ -80,19 +82,24 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         process_group: an existing group to use as the CP group.
         timeout: seconds or timedelta bounding every collective on the CP group.
         check_inputs: verify each step (one tiny all-gather) that every rank of a CP group got the same batch.
+        loss_chunk: with labels, compute the causal-LM loss this many tokens at a time from the last hidden
+            states, so (tokens x vocab) logits are never materialised (out.logits is then None). None: the
+            model computes its logits as usual and hfcp the loss from them.
     Returns:
         The same model object. With one process or cp_size 1 the model is left unchanged.
     Raises:
         UnsupportedModelError: no patcher for config.model_type, or an unsupported head.
         ValueError: unknown strategy, bad cp_size, ulysses with indivisible heads, patched with other settings.
     """
+    if loss_chunk is not None and (not isinstance(loss_chunk, int) or loss_chunk < 1):
+        raise ValueError(f"loss_chunk={loss_chunk!r} must be a positive number of tokens or None")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {sorted(STRATEGIES)}")
     inner = find_pretrained(model)
     model_type = inner.config.model_type
     patcher = REGISTRY.lookup(model_type)  # raises on every rank before any collective
     head = _head_kind(inner, model_type)
-    settings = (cp_size, strategy, process_group)
+    settings = (cp_size, strategy, process_group, check_inputs, loss_chunk)
     existing = getattr(inner, "_hfcp_state", None)
     if existing is not None:
         if existing.settings == settings:
@@ -117,7 +124,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     register_with_transformers()
     state = CPState(mesh, strategy, patcher, head, zigzag=patcher.causal,
                     original_attn=inner.config._attn_implementation, settings=settings,
-                    check_inputs=check_inputs, modules=modules)
+                    check_inputs=check_inputs, loss_chunk=loss_chunk if head == "causal_lm" else None,
+                    modules=modules)
     inner.set_attn_implementation(KEY)
     inner._hfcp_state = state
     for m in modules:

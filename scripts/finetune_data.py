@@ -51,9 +51,11 @@ def key_span(tok, text: str, key: str) -> tuple[list[int], int, int]:
     return ids, start, end
 
 
-def embedded_corpus(n_docs: int, doc_chars: int, seed: int) -> list[str]:
+def embedded_corpus(n_docs: int, max_chars: int, seed: int) -> list[str]:
+    """Key documents of random lengths up to max_chars: several per packed row, so each step has several keys
+    to recall, many of them across shard boundaries."""
     rng = random.Random(seed)
-    return [key_document(rng, doc_chars)[0] for _ in range(n_docs)]
+    return [key_document(rng, rng.randint(max(64, max_chars // 8), max_chars))[0] for _ in range(n_docs)]
 
 
 def load_texts(path: str) -> list[str]:

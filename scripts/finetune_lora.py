@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import resource
@@ -41,6 +42,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--loss-chunk", type=int, default=1024,
+                    help="tokens per chunk of the loss: logits are never materialised whole (0: plain logits)")
     ap.add_argument("--output-dir", default="runs/finetune")
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: only at the end)")
     ap.add_argument("--resume-from", help="a checkpoint directory written by --save-every")
@@ -92,7 +95,7 @@ def load_model_and_tokenizer(args):
 
 
 def encode_docs(args, tok, texts):
-    texts = texts if texts is not None else embedded_corpus(400, int(args.seq_len * 0.9), args.seed)
+    texts = texts if texts is not None else embedded_corpus(2000, int(args.seq_len * 0.9), args.seed)
     return [encode_document(tok, t) for t in texts]
 
 
@@ -151,10 +154,12 @@ def main(argv=None):
                       modules_to_save=None if args.model else ["embed_tokens", "lm_head"])
     torch.manual_seed(args.seed)
     model = get_peft_model(model, lora)
-    hfcp.patch(model, cp_size=args.cp_size, strategy=args.strategy)
+    hfcp.patch(model, cp_size=args.cp_size, strategy=args.strategy, loss_chunk=args.loss_chunk or None)
     dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    warmup = max(1, min(50, args.max_steps // 10))  # linear warm-up, then cosine decay to 10%
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
+        0.55 + 0.45 * math.cos(math.pi * min(s, args.max_steps) / args.max_steps)))
     start_step = 0
     out_dir = Path(args.output_dir)
     if args.resume_from:
@@ -179,6 +184,7 @@ def main(argv=None):
             out = model(**batch)
             acc.backward(out.loss / args.grad_accum)
             loss_sum += out.loss.item() / args.grad_accum
+        acc.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad()

@@ -73,3 +73,13 @@ def test_patch_before_get_peft_model(pool2):
 def test_bf16_close_to_fp32_reference(pool2):
     results = pool2.run(W.run_case, dict(family="llama", strategy="ring", cp=2, B=2, L=29, dtype="bf16"))
     assert results[0]["loss"] < 2e-2 and results[0]["seq"] < 5e-2, results[0]
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(lora=True, checkpointing=True), dict(packed=True, B=3)])
+def test_chunked_loss_matches_logits_path(pool2, variant):
+    import workers_loss
+
+    case = {**dict(family="llama", strategy="ring", cp=2, B=2, L=61), **variant}
+    r = pool2.run(workers_loss.chunked_vs_logits, case, 8)[0]
+    assert r["loss"] < 1e-6 and r["grad"] < 1e-5 and r["same_keys"] and r["logits_none"], r
+    assert 0 < r["max_rows_per_head_call"] <= 8, r  # logits of at most one chunk at a time

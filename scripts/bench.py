@@ -1,0 +1,157 @@
+"""Benchmark suite: memory and time of hfcp against one process, per strategy and sequence length.
+
+    python scripts/bench.py                       # model level, L = 2k..16k, cp 1/2/4, all strategies
+    python scripts/bench.py --quick               # a smoke run (seconds)
+    python scripts/bench.py --level attention --lengths 8192 16384 --no-comm
+
+cp = 1 is the unpatched model in one process with as many threads as the cp run has processes; cp > 1
+runs under torchrun with one thread per process. Each measurement is its own process (scripts/bench_step.py).
+Writes runs/bench/bench.json, memory/time PNGs, and prints a table with ratios to cp = 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeout=1800):
+    cmd = [str(HERE / "bench_step.py"), "--level", level, "--seq-len", str(seq_len), "--cp", str(cp),
+           "--strategy", strategy, "--threads", str(threads), "--repeats", str(repeats)]
+    if no_comm:
+        cmd.append("--no-comm")
+    if cp > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp), *cmd]
+    else:
+        cmd = [sys.executable, *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        return {"level": level, "seq_len": seq_len, "cp": cp, "strategy": strategy, "no_comm": no_comm,
+                "error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def run(args):
+    results = []
+    for L in args.lengths:
+        for cp in args.cps:
+            strategies = ["none"] if cp == 1 else args.strategies
+            for s in strategies:
+                threads = max(c for c in args.cps) if cp == 1 and args.match_threads else 1
+                threads = min(threads, args.max_threads)
+                results.append(measure(args.level, L, cp, s, threads, args.repeats))
+                print(fmt(results[-1]), flush=True)
+                if args.no_comm and cp > 1 and s == "ring":
+                    results.append(measure(args.level, L, cp, s, 1, args.repeats, no_comm=True))
+                    print(fmt(results[-1]), flush=True)
+    return results
+
+
+def longest_under_cap(args):
+    """Per cp, the longest L (doubling from 1024, then bisecting to 512 tokens) whose step's peak memory
+    growth per rank stays under --mem-cap-mb."""
+    found = {}
+    for cp in args.cps:
+        strategy = "none" if cp == 1 else args.strategies[0]
+        threads = min(max(args.cps), args.max_threads) if cp == 1 else 1
+        fits = lambda L: "error" not in (r := measure("model", L, cp, strategy, threads, 1)) and r["peak_mem_mb"] <= args.mem_cap_mb  # noqa: E731
+        lo, hi = 0, 1024
+        while fits(hi):
+            lo, hi = hi, hi * 2
+        while hi - lo > 512:
+            mid = (lo + hi) // 2 // 256 * 256
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        found[cp] = lo
+        print(f"cp={cp} {strategy}: longest sequence under {args.mem_cap_mb} MB per rank: {lo}", flush=True)
+    base = found.get(1) or 1
+    print("| cp | longest L | x cp=1 |\n|---|---|---|\n" + "\n".join(f"| {cp} | {L} | {L / base:.2f} |" for cp, L in found.items()))
+    return found
+
+
+def fmt(r):
+    if "error" in r:
+        return f"L={r['seq_len']:>6} cp={r['cp']} {r['strategy']:<9} ERROR {r['error']}"
+    tag = " (no comm)" if r.get("no_comm") else ""
+    return (f"L={r['seq_len']:>6} cp={r['cp']} {r['strategy']:<9}{tag:<10} time {r['time_s']:8.3f} s  "
+            f"peak {r['peak_mem_mb']:9.1f} MB  loss {r['loss']:.6f}")
+
+
+def table(results):
+    base = {r["seq_len"]: r for r in results if r["cp"] == 1 and "error" not in r}
+    rows = ["| L | cp | strategy | time s | x cp=1 | peak MB/rank | x cp=1 | loss |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['seq_len']} | {r['cp']} | {r['strategy']} | error | | | | {r['error'][:60]} |")
+            continue
+        b = base.get(r["seq_len"])
+        tr = f"{r['time_s'] / b['time_s']:.2f}" if b else "-"
+        mr = f"{r['peak_mem_mb'] / b['peak_mem_mb']:.2f}" if b and b["peak_mem_mb"] > 0 else "-"
+        name = r["strategy"] + (" (no comm)" if r.get("no_comm") else "")
+        rows.append(f"| {r['seq_len']} | {r['cp']} | {name} | {r['time_s']:.3f} | {tr} | {r['peak_mem_mb']:.1f} | {mr} | {r['loss']:.6f} |")
+    return "\n".join(rows)
+
+
+def plot(results, out: Path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots")
+        return
+    for key, label, fname in (("peak_mem_mb", "peak memory per rank (MB)", "memory_vs_length.png"),
+                              ("time_s", "step time (s)", "time_vs_length.png")):
+        plt.figure(figsize=(6, 4))
+        series = sorted({(r["cp"], r["strategy"], r.get("no_comm", False)) for r in results if "error" not in r})
+        for cp, s, nc in series:
+            pts = sorted((r["seq_len"], r[key]) for r in results
+                         if "error" not in r and (r["cp"], r["strategy"], r.get("no_comm", False)) == (cp, s, nc))
+            plt.plot(*zip(*pts), marker="o", label=f"cp={cp} {s}{' no-comm' if nc else ''}")
+        plt.xscale("log", base=2)
+        plt.xlabel("sequence length")
+        plt.ylabel(label)
+        plt.legend(fontsize=7)
+        plt.tight_layout()
+        plt.savefig(out / fname, dpi=100)
+        plt.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--level", choices=["model", "attention"], default="model")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--strategies", nargs="+", default=["ring", "allgather", "ulysses"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-comm", action="store_true", help="also time the ring with communication removed")
+    ap.add_argument("--match-threads", action=argparse.BooleanOptionalAction, default=True,
+                    help="cp=1 gets as many threads as the largest cp run has processes (capped by --max-threads)")
+    ap.add_argument("--max-threads", type=int, default=2)
+    ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--quick", action="store_true", help="smoke run: L=1024, cp 1/2, ring, 1 repeat")
+    ap.add_argument("--mem-cap-mb", type=float, help="instead: find the longest sequence under this per-rank cap")
+    args = ap.parse_args()
+    if args.quick:
+        args.lengths, args.cps, args.strategies, args.repeats = [1024], [1, 2], ["ring"], 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.mem_cap_mb:
+        (out / "longest_under_cap.json").write_text(json.dumps(longest_under_cap(args)))
+        return
+    results = run(args)
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+    print(table(results))
+    plot(results, out)
+    errors = [r for r in results if "error" in r]
+    if errors:
+        raise SystemExit(f"bench.py: {len(errors)} measurement(s) failed (see the table)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""One benchmark measurement, in its own process (launched by scripts/bench.py; torchrun when cp > 1).
+
+Model level: one LoRA training step (forward + backward) of a long-context Llama. Attention level:
+forward + backward of the CP attention alone (optionally with the ring's communication removed).
+Prints one JSON line from rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+import torch
+
+
+class PeakRSS:
+    """Peak resident memory growth during a block (CPU), sampled every 1 ms; CUDA: max_memory_allocated."""
+
+    def __init__(self, device):
+        self.device = device
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        self.base = self.peak = self._rss()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.growth = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.running = False
+            self.thread.join()
+            self.growth = max(self.peak, self._rss()) - self.base
+
+
+def model_step(args, device):
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    import hfcp
+
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=args.seq_len)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(device)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    if args.cp > 1:
+        hfcp.patch(model, strategy=args.strategy, loss_chunk=1024, check_inputs=False)
+    ids = torch.randint(0, 4096, (1, args.seq_len), generator=torch.Generator().manual_seed(1)).to(device)
+
+    def step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return float(out.loss)
+
+    return step
+
+
+def attention_step(args, device):
+    from hfcp.attention import STRATEGIES, MaskSpec
+    from hfcp.layout import Layout, build_step_batch
+    from hfcp.mesh import build_mesh
+
+    B, H, Hkv, D, L = 1, 8, 2, 32, args.seq_len
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, h, L, D, generator=g) for h in (H, Hkv, Hkv))
+    if args.cp == 1:
+        q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+
+        def step():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out.sum().backward()
+            return 0.0
+
+        return step
+    mesh = build_mesh(args.cp)
+    if args.no_comm:  # the same ring schedule and tiles, with every exchange replaced by reusing local K/V
+        from hfcp import collectives
+
+        class LocalComm(collectives.RingComm):
+            def exchange(self, tensors):
+                self._pending = tensors
+
+            def wait(self):
+                out, self._pending = self._pending, None
+                return out
+
+        import hfcp.attention.ring as ring
+
+        ring.RingComm = LocalComm
+    layout = Layout(L, mesh.cp_size, zigzag=True)
+    sb = build_step_batch(layout, mesh.cp_rank, B, None, None, device)
+    idx = sb.local_index
+    ql, kl, vl = (t[:, :, idx].contiguous().to(device).requires_grad_() for t in (q, k, v))
+
+    def step():
+        out = STRATEGIES[args.strategy](ql, kl, vl, sb, MaskSpec(True, None), D ** -0.5, mesh.cp_group)
+        out.sum().backward()
+        return 0.0
+
+    return step
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--level", choices=["model", "attention"], default="model")
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--strategy", default="ring")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-comm", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if args.cp > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    step = (model_step if args.level == "model" else attention_step)(args, device)
+    loss = step()  # warm-up (plans, allocator)
+    times, mems = [], []
+    for _ in range(args.repeats):
+        with PeakRSS(device) as mem:
+            t = time.perf_counter()
+            loss = step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        mems.append(mem.growth / 2**20)
+    result = {"level": args.level, "seq_len": args.seq_len, "cp": args.cp, "strategy": args.strategy if args.cp > 1 else "none",
+              "no_comm": args.no_comm, "threads": args.threads, "time_s": sorted(times)[len(times) // 2],
+              "peak_mem_mb": max(mems), "loss": loss}
+    if args.cp > 1:
+        import torch.distributed as dist
+
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result["peak_mem_mb"])
+        result["peak_mem_mb"] = max(gathered)  # the worst rank
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        dist.destroy_process_group()
+    else:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
