@@ -54,7 +54,9 @@ def chunked_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(hidden.device)
-    total = hidden.new_zeros((), dtype=torch.float32)
+    # start from a zero that is part of the graph: a rank with no valid target must still join the
+    # backward all-reduce of the loss like every other rank of the group
+    total = hidden[..., :0].sum().float()
     for start in range(0, t.numel(), chunk):
         tc = t[start : start + chunk]
         if not bool((tc != IGNORE_INDEX).any()):

@@ -26,9 +26,10 @@ def test_loss_is_token_weighted_global_mean_and_eval_is_not_scaled(pool2, strate
         assert _close(r["train"], r["ref"]) and _close(r["eval"], r["ref"]), r
 
 
+@pytest.mark.parametrize("loss_chunk", [None, 2])
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
-def test_rank_with_only_padding_is_finite_and_exact(pool4, strategy):
-    for r in pool4.run(W.all_padding_rank, 4, strategy):
+def test_rank_with_only_padding_is_finite_and_exact(pool4, strategy, loss_chunk):
+    for r in pool4.run(W.all_padding_rank, 4, strategy, loss_chunk):
         assert math.isfinite(r["loss"]) and r["grads_finite"] and _close(r["loss"], r["ref"]), r
 
 
