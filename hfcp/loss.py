@@ -54,12 +54,11 @@ def chunked_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(hidden.device)
-    # start from a zero that is part of the graph: a rank with no valid target must still join the
-    # backward all-reduce of the loss like every other rank of the group
-    total = hidden[..., :0].sum().float()
-    for start in range(0, t.numel(), chunk):
-        tc = t[start : start + chunk]
-        if not bool((tc != IGNORE_INDEX).any()):
-            continue  # no target here: no logits needed
-        total = total + checkpoint(_chunk_ce_sum, h[start : start + chunk], tc, head, use_reentrant=False)
+    starts = [s for s in range(0, t.numel(), chunk) if bool((t[s : s + chunk] != IGNORE_INDEX).any())]
+    # a rank with no valid target still runs one (all-ignored, zero) chunk: the head's parameters and the
+    # hidden states stay in the graph, so the backward all-reduce and DDP's gradient hooks fire on every rank
+    total = None
+    for start in starts or [0]:
+        part = checkpoint(_chunk_ce_sum, h[start : start + chunk], t[start : start + chunk], head, use_reentrant=False)
+        total = part if total is None else total + part
     return total

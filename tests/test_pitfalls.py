@@ -53,3 +53,9 @@ def test_odd_lengths_do_not_hang(pool4):
     for L in (5, 13, 17):
         r = pool4.run(WM.run_case, dict(family="llama", strategy="ring", cp=4, B=1, L=L), timeout=120)[0]
         assert r["loss"] < 1e-5 and r["grad"] < 1e-5, (L, r)
+
+
+def test_rank_with_only_padding_under_ddp_with_chunked_loss(pool4):
+    """Regression: a rank with no target skipped the output head, and DDP stopped at the next step."""
+    for r in pool4.run(W.all_padding_rank, 4, "ring", 2, True):
+        assert math.isfinite(r["loss"]) and r["grads_finite"] and _close(r["loss"], r["ref"]), r

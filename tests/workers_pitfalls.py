@@ -56,14 +56,18 @@ def uneven_valid_tokens(cp: int, strategy: str):
     return {"ref": float(ref), "train": float(loss), "eval": float(eval_loss)}
 
 
-def all_padding_rank(cp: int, strategy: str, loss_chunk=None):
-    """L=3 over cp=4 (zigzag, 8 slots): rank 3 holds only padding. Loss finite and exact; grads finite."""
+def all_padding_rank(cp: int, strategy: str, loss_chunk=None, ddp=False):
+    """L=3 over cp=4 (zigzag, 8 slots): rank 3 holds only padding. Loss finite and exact; grads finite.
+    With DDP, two steps: DDP fails on the second if a rank left a parameter out of the graph."""
     batch = make_batch(dict(B=1, L=3))
     model = tiny_model("llama")
     ref = float(model(**batch, use_cache=False).loss)
     hfcp.patch(model, cp_size=cp, strategy=strategy, loss_chunk=loss_chunk)
-    out = model(**batch)
-    out.loss.backward()
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    for _ in range(2 if ddp else 1):
+        out = model(**batch)
+        out.loss.backward()
     finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
     hfcp.unpatch(model)
     return {"ref": ref, "loss": float(out.loss), "grads_finite": finite}
