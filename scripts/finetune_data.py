@@ -30,9 +30,10 @@ def key_document(rng: random.Random, length: int) -> tuple[str, str]:
     that reaches back across the whole document (and so across shard boundaries)."""
     key = "".join(rng.choice(KEY_CHARS) for _ in range(8))
     head, tail = f"key {key}. ", f" so the key is {key}."
-    body = []
-    while sum(len(w) + 1 for w in body) < length - len(head) - len(tail):
-        body.append(rng.choice(WORDS))
+    body, i = [], rng.randrange(len(WORDS))  # the filler cycles through WORDS: learnable, so what remains
+    while sum(len(w) + 1 for w in body) < length - len(head) - len(tail):  # of the loss is the key
+        body.append(WORDS[i % len(WORDS)])
+        i += 1
     return head + " ".join(body) + tail, key
 
 

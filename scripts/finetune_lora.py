@@ -173,7 +173,7 @@ def main(argv=None):
               f"strategy={args.strategy}, {len(rows)} rows of {args.seq_len} tokens; key accuracy before: {before:.3f}")
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = open(out_dir / "metrics.jsonl", "a") if acc.is_main_process else None
+    metrics = open_metrics(out_dir / "metrics.jsonl", start_step) if acc.is_main_process else None
     bar = tqdm(range(start_step, args.max_steps), disable=not acc.is_main_process, desc="train")
     for step in bar:
         t0 = time.perf_counter()
@@ -206,6 +206,16 @@ def main(argv=None):
         (out_dir / "summary.json").write_text(json.dumps({"key_accuracy_before": before, "key_accuracy_after": after}))
         plot_losses(out_dir)
     acc.wait_for_everyone()
+
+
+def open_metrics(path: Path, start_step: int):
+    """A fresh run starts the file anew; a resumed run keeps the records up to its start step."""
+    kept = []
+    if start_step and path.exists():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+    f = open(path, "w")
+    f.writelines(line + "\n" for line in kept)
+    return f
 
 
 def save_checkpoint(path: Path, acc, model, opt, sched, step: int):
