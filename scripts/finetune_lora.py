@@ -39,7 +39,7 @@ def parse_args(argv=None):
     ap.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses"])
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--lr", type=float, default=5e-3)
-    ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--max-steps", type=int, default=800)
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--loss-chunk", type=int, default=1024,

@@ -120,3 +120,24 @@ def run_case(case: dict):
 
 def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def long_sequence(L: int, strategy: str):
+    """L tokens (e.g. 32k): the merge stays finite and equals single-process SDPA (flash on CPU)."""
+    import torch.nn.functional as F
+
+    mesh = mesh_for(2)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, L, 16, generator=g) * 4  # large logits: exercises the fp32 LSE merge
+    k = torch.randn(1, 1, L, 16, generator=g) * 4
+    v = torch.randn(1, 1, L, 16, generator=g)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    layout = Layout(L, mesh.cp_size, zigzag=True)
+    sb = build_step_batch(layout, mesh.cp_rank, 1, None, None, q.device)
+    idx = sb.local_index
+    out = STRATEGIES[strategy](q[:, :, idx], k[:, :, idx], v[:, :, idx], sb, MaskSpec(True, None), 0.25, mesh.cp_group)
+    full = all_gather_no_grad(out, mesh.cp_group, dim=2)
+    inv = torch.empty_like(layout.gathered_order())
+    inv[layout.gathered_order()] = torch.arange(L)
+    full = full[:, :, inv]
+    return {"finite": bool(torch.isfinite(full).all()), "err": _rel(full, ref)}
