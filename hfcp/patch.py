@@ -12,6 +12,7 @@ from transformers.models.auto import modeling_auto
 from .attention import STRATEGIES, check_heads
 from .collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
+from . import token_hooks
 from .hooks import ShardSequenceHook
 from .layout import StepBatch
 from .mesh import Mesh, build_mesh
@@ -27,13 +28,14 @@ class CPState:
     mesh: Mesh
     strategy: str
     patcher: Patcher
-    head: str  # "causal_lm" or "base"
+    head: str  # "causal_lm", "classification" or "base"
     zigzag: bool
     original_attn: str
     settings: tuple
     check_inputs: bool = True
     loss_chunk: int | None = None
     modules: list = field(default_factory=list)
+    hooks: list = field(default_factory=list)  # [(module, hook)] attached by patch
     step: StepBatch | None = None
     targets: torch.Tensor | None = None
     denominator: object = None
@@ -58,16 +60,26 @@ def find_pretrained(model) -> PreTrainedModel:
     raise TypeError(f"hfcp.patch expects a transformers PreTrainedModel (optionally PEFT/DDP-wrapped), got {type(model).__name__}")
 
 
-def _head_kind(model: PreTrainedModel, model_type: str) -> str:
+_HEADS = {  # transformers' auto mappings -> how hfcp treats the head
+    "causal_lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",),
+    "classification": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES"),
+    "base": ("MODEL_MAPPING_NAMES",),
+}
+
+
+def _head_kind(model: PreTrainedModel, model_type: str, token_model: bool) -> str:
     name = type(model).__name__
-    if modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) == name:
-        return "causal_lm"
-    if modeling_auto.MODEL_MAPPING_NAMES.get(model_type) == name:
-        return "base"
+    allowed = ("classification", "base") if token_model else ("causal_lm", "base")
+    supported = []
+    for kind in allowed:
+        for mapping in _HEADS[kind]:
+            cls = getattr(modeling_auto, mapping).get(model_type)
+            if cls == name:
+                return kind
+            if cls is not None:
+                supported.append(cls)
     raise UnsupportedModelError(
-        f"{name} (model_type={model_type!r}) has a head hfcp does not support under CP; supported: "
-        f"{modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)} and "
-        f"{modeling_auto.MODEL_MAPPING_NAMES.get(model_type)}"
+        f"{name} (model_type={model_type!r}) has a head hfcp does not support under CP; supported: {supported}"
     )
 
 
@@ -98,7 +110,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     inner = find_pretrained(model)
     model_type = inner.config.model_type
     patcher = REGISTRY.lookup(model_type)  # raises on every rank before any collective
-    head = _head_kind(inner, model_type)
+    head = _head_kind(inner, model_type, token_model=bool(patcher.embeddings_classes))
     settings = (cp_size, strategy, process_group, check_inputs, loss_chunk)
     existing = getattr(inner, "_hfcp_state", None)
     if existing is not None:
@@ -121,6 +133,11 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         cfg = inner.config
         check_heads(getattr(cfg, patcher.num_heads_attr), getattr(cfg, patcher.num_kv_heads_attr) or
                     getattr(cfg, patcher.num_heads_attr), mesh.cp_size)
+    embeddings = None
+    if patcher.embeddings_classes:
+        embeddings = next((m for m in inner.modules() if type(m).__name__ in patcher.embeddings_classes), None)
+        if embeddings is None:
+            raise UnsupportedModelError(f"the {model_type!r} patcher found no {patcher.embeddings_classes} module")
     register_with_transformers()
     state = CPState(mesh, strategy, patcher, head, zigzag=patcher.causal,
                     original_attn=inner.config._attn_implementation, settings=settings,
@@ -130,7 +147,11 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     inner._hfcp_state = state
     for m in modules:
         m._hfcp_state = state
-    add_hook_to_module(inner, ShardSequenceHook(state), append=True)
+    if embeddings is not None:
+        state.hooks = token_hooks.attach(inner, state, embeddings)
+    else:
+        state.hooks = [(inner, ShardSequenceHook(state))]
+        add_hook_to_module(inner, state.hooks[0][1], append=True)
     log.info("hfcp: %s patched: strategy=%s cp=%d (dp=%d), %d attention modules",
              type(inner).__name__, strategy, mesh.cp_size, mesh.dp_size, len(modules))
     return model
@@ -142,18 +163,24 @@ def unpatch(model):
     state = getattr(inner, "_hfcp_state", None)
     if state is None:
         return model
-    hook = getattr(inner, "_hf_hook", None)
-    others = [h for h in hook.hooks if not isinstance(h, ShardSequenceHook)] if isinstance(hook, SequentialHook) else []
-    remove_hook_from_module(inner)
-    if "forward" in inner.__dict__ and not others:
-        del inner.forward  # back to the class's forward
-    for h in others:
-        add_hook_to_module(inner, h, append=True)
+    for module, ours in state.hooks:
+        _remove_hook(module, ours)
     inner.set_attn_implementation(state.original_attn)
     for m in state.modules:
         del m._hfcp_state
     del inner._hfcp_state
     return model
+
+
+def _remove_hook(module, ours) -> None:
+    """Remove `ours` from module, keeping any other accelerate hook chained with it."""
+    hook = getattr(module, "_hf_hook", None)
+    others = [h for h in hook.hooks if h is not ours] if isinstance(hook, SequentialHook) else []
+    remove_hook_from_module(module)
+    if "forward" in module.__dict__ and not others:
+        del module.forward  # back to the class's forward
+    for h in others:
+        add_hook_to_module(module, h, append=True)
 
 
 def cp_state(model) -> CPState | None:

@@ -18,6 +18,10 @@ class Patcher:
         causal: whether attention is causal (chooses the zigzag layout).
         num_heads_attr / num_kv_heads_attr: config attributes with the head counts (ulysses checks them).
         max_positions_attr: config attribute bounding the sequence length, or None.
+        embeddings_classes: token-sequence models (vision/video): the module whose output is the token
+            sequence (patch/tubelet embedding + position + CLS); hfcp shards its output. Empty: shard input_ids.
+        first_token_pooler: the base model's `pooler` reads token 0 (CLS), so hfcp feeds it the global one.
+        unsupported_reason: set for a known model_type that cannot be made exact; lookups raise with it.
     """
 
     model_type: str
@@ -26,6 +30,9 @@ class Patcher:
     num_heads_attr: str = "num_attention_heads"
     num_kv_heads_attr: str = "num_key_value_heads"
     max_positions_attr: str | None = "max_position_embeddings"
+    embeddings_classes: tuple[str, ...] = ()
+    first_token_pooler: bool = False
+    unsupported_reason: str | None = None
 
 
 _HOW_TO_REGISTER = (
@@ -50,6 +57,11 @@ class _Registry:
 
     def lookup(self, model_type: str) -> Patcher:
         patcher = self._patchers.get(model_type)
+        if patcher is not None and patcher.unsupported_reason:
+            raise UnsupportedModelError(
+                f"model_type={model_type!r} is not supported by hfcp: {patcher.unsupported_reason}; "
+                f"supported types: {self.model_types()}"
+            )
         if patcher is None:
             raise UnsupportedModelError(
                 f"hfcp has no patcher for model_type={model_type!r}; supported types: "
@@ -58,7 +70,7 @@ class _Registry:
         return patcher
 
     def model_types(self) -> list[str]:
-        return sorted(self._patchers)
+        return sorted(t for t, p in self._patchers.items() if not p.unsupported_reason)
 
 
 REGISTRY = _Registry()

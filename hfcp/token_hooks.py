@@ -1,0 +1,83 @@
+"""Hooks for token-sequence models (ViT, VideoMAE, ViViT): shard right after the embeddings, and give
+heads exactly what they see on one device.
+
+- the embeddings module's output (B, N, H) is padded to a multiple of cp, split contiguously, and its
+  padding masked as keys (bidirectional attention needs no load balancing);
+- a classification model: its base model's sequence output is gathered (autograd all-gather, padding
+  stripped) before the head, so CLS / mean pooling, logits and loss are whole and identical on every rank;
+- a base model: last_hidden_state stays local; a first-token pooler is fed the global CLS token.
+"""
+from __future__ import annotations
+
+from accelerate.hooks import ModelHook, add_hook_to_module
+
+from .checks import check_same_batch
+from .collectives import all_gather
+from .layout import Layout, build_step_batch, pad_to
+
+
+class ShardEmbeddingsHook(ModelHook):
+    def __init__(self, state):
+        self.state = state
+
+    def post_forward(self, module, output):
+        st = self.state
+        B, N = output.shape[:2]
+        layout = Layout(N, st.mesh.cp_size, zigzag=False)
+        st.step = build_step_batch(layout, st.mesh.cp_rank, B, None, None, output.device)
+        idx = st.step.local_index.to(output.device)
+        return pad_to(output, layout.padded_len, 1, 0.0).index_select(1, idx)  # (B, N_pad/cp, H)
+
+
+class CheckPixelsHook(ModelHook):
+    """Top-level: every rank of a CP group must get the same pixels (and labels)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def pre_forward(self, module, *args, **kwargs):
+        if self.state.check_inputs:
+            names = ("pixel_values", "labels")
+            values = dict(zip(names, args))
+            values.update({k: kwargs[k] for k in names if k in kwargs})
+            check_same_batch(values, self.state.mesh.cp_group, names)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        st = self.state
+        if st.head == "base" and st.patcher.first_token_pooler and getattr(module, "pooler", None) is not None:
+            hidden = output["last_hidden_state"] if not isinstance(output, tuple) else output[0]
+            firsts = all_gather(hidden[:, :1], st.mesh.cp_group, dim=1)  # (B, cp, H): [:, 0] is the global CLS
+            pooled = module.pooler(firsts)
+            if isinstance(output, tuple):
+                return (output[0], pooled, *output[2:])
+            output["pooler_output"] = pooled
+        return output
+
+
+class GatherForHeadHook(ModelHook):
+    """On the base model inside a classification model: its sequence output becomes the full sequence."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def post_forward(self, module, output):
+        st = self.state
+        hidden = output["last_hidden_state"] if not isinstance(output, tuple) else output[0]
+        layout = st.step.layout
+        full = all_gather(hidden, st.mesh.cp_group, dim=1)  # contiguous: rank order is sequence order
+        full = full[:, : layout.seq_len]
+        if isinstance(output, tuple):
+            return (full, *output[1:])
+        output["last_hidden_state"] = full
+        return output
+
+
+def attach(inner, state, embeddings) -> list:
+    """Attach the token hooks; returns [(module, hook)] for unpatch."""
+    hooks = [(embeddings, ShardEmbeddingsHook(state)), (inner, CheckPixelsHook(state))]
+    if state.head == "classification":
+        hooks.append((inner.base_model, GatherForHeadHook(state)))
+    for module, hook in hooks:
+        add_hook_to_module(module, hook, append=True)
+    return hooks

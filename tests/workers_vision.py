@@ -1,0 +1,104 @@
+"""Vision / video equivalence, run on every rank of a DistPool: patched vs unpatched tiny seeded models."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import hfcp
+
+COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
+
+
+def build(family: str, head: str, **over):
+    if family == "vit":
+        cfg = transformers.ViTConfig(**{**COMMON, "image_size": 32, "patch_size": 8, **over})
+        cls = transformers.ViTForImageClassification if head == "cls" else transformers.ViTModel
+    elif family == "videomae":
+        cfg = transformers.VideoMAEConfig(**{**COMMON, "image_size": 16, "patch_size": 8, "num_frames": 6,
+                                             "tubelet_size": 2, **over})
+        cls = transformers.VideoMAEForVideoClassification if head == "cls" else transformers.VideoMAEModel
+    else:
+        cfg = transformers.VivitConfig(**{**COMMON, "image_size": 16, "num_frames": 4, "tubelet_size": [2, 8, 8],
+                                          "hidden_dropout_prob": 0.0, **over})
+        cls = transformers.VivitForVideoClassification if head == "cls" else transformers.VivitModel
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return cls(cfg).float().train()
+
+
+def pixels(family: str, batch: int, size: int | None, frames: int | None):
+    g = torch.Generator().manual_seed(5)
+    if family == "vit":
+        return torch.randn(batch, 3, size or 32, size or 32, generator=g)
+    return torch.randn(batch, frames or (6 if family == "videomae" else 4), 3, 16, 16, generator=g)
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def run_case(case: dict):
+    family, head, cp = case["family"], case["head"], case["cp"]
+    px = pixels(family, case.get("B", 2), case.get("size"), case.get("frames"))
+    kwargs = {"interpolate_pos_encoding": True} if case.get("interpolate") else {}
+    labels = torch.tensor([0, 2, 1][: px.shape[0]])
+    weights = None
+
+    def loss_of(out):
+        nonlocal weights
+        if head == "cls":
+            return out.loss
+        if weights is None:
+            weights = torch.randn(out.last_hidden_state.shape, generator=torch.Generator().manual_seed(9))
+        full = hfcp.gather_sequence(out.last_hidden_state, model) if hfcp.cp_state(model) else out.last_hidden_state
+        extra = out.pooler_output.sum() if getattr(out, "pooler_output", None) is not None else 0
+        return (full * weights).sum() + extra, full
+
+    ref = build(family, head, **case.get("config", {}))
+    model = ref
+    ref_out = ref(px, labels=labels, **kwargs) if head == "cls" else ref(px, **kwargs)
+    ref_loss = loss_of(ref_out)
+    ref_seq = None
+    if head != "cls":
+        ref_loss, ref_seq = ref_loss
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+    model = build(family, head, **case.get("config", {}))
+    hfcp.patch(model, cp_size=cp, strategy=case["strategy"])
+    out = model(px, labels=labels, **kwargs) if head == "cls" else model(px, **kwargs)
+    errs = {}
+    if head == "cls":
+        loss = out.loss
+        errs["logits"] = _rel(out.logits.detach(), ref_out.logits.detach())
+        errs["logits_value"] = out.logits.detach().sum().item()
+    else:
+        loss, full = loss_of(out)
+        errs["seq"] = _rel(full.detach(), ref_seq.detach())
+        errs["local_len"] = out.last_hidden_state.shape[1]
+        if getattr(ref_out, "pooler_output", None) is not None:
+            errs["pooler"] = _rel(out.pooler_output.detach(), ref_out.pooler_output.detach())
+    loss.backward()
+    errs["loss"] = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
+    errs["loss_value"] = float(loss)
+    group = hfcp.cp_state(model).mesh.cp_group
+    # k_proj.bias has an exactly-zero true gradient (softmax ignores a shift shared by all keys): compare
+    # every gradient relative to max(its own size, 1e-4 of the largest gradient) so float noise is not "error"
+    floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
+    worst = 0.0
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        e = float((g / cp - ref_grads[n]).abs().max()) / max(float(ref_grads[n].abs().max()), floor)
+        if e > 1e-5:
+            errs.setdefault("bad", []).append((n, e))
+        worst = max(worst, e)
+    errs["grad"] = worst
+    errs["n_grads"] = sum(p.grad is not None for p in model.parameters())
+    errs["n_ref_grads"] = len(ref_grads)
+    hfcp.unpatch(model)
+    return errs
