@@ -28,11 +28,13 @@ def check_shapes(kw: dict, batch: int, length: int) -> None:
 
 
 def _fingerprint(t: torch.Tensor | None) -> list[float]:
+    """numel, the sum, and sums over two strided samples (so most reorderings change it too); fp64
+    accumulation without materialising a copy of the tensor (a long video's pixels can be 100s of MB)."""
     if t is None:
-        return [-1.0, 0.0, 0.0]
-    x = t.detach().reshape(-1).to(torch.float64)
-    w = torch.arange(1, x.numel() + 1, device=x.device, dtype=torch.float64).remainder_(1009.0).add_(1.0)
-    return [float(x.numel()), float(x.sum()), float((x * w).sum())]
+        return [-1.0, 0.0, 0.0, 0.0]
+    x = t.detach().reshape(-1)
+    return [float(x.numel()), float(x.sum(dtype=torch.float64)), float(x[::7].sum(dtype=torch.float64)),
+            float(x[5::13].sum(dtype=torch.float64))]
 
 
 def check_same_batch(kw: dict, group, names=("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels")):
@@ -41,7 +43,7 @@ def check_same_batch(kw: dict, group, names=("input_ids", "inputs_embeds", "posi
     ref = next((kw[n] for n in names if kw.get(n) is not None), None)
     if ref is not None and dist.get_backend(group) == "nccl":
         fp = fp.to(ref.device)
-    every = all_gather_no_grad(fp[None], group, dim=0).cpu()  # (cp, 3 * len(names))
+    every = all_gather_no_grad(fp[None], group, dim=0).cpu()  # (cp, 4 * len(names))
     differs = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
     if differs:
         ranks = dist.get_process_group_ranks(group)

@@ -15,6 +15,20 @@ import time
 import torch
 
 
+def return_freed_memory_to_os() -> None:
+    """glibc keeps freed blocks below a threshold that grows with every large free, so RSS stops tracking
+    live tensors after a warm-up step; a fixed 64 KiB mmap threshold makes every large tensor its own
+    mapping, returned on free, so RSS growth over a step is the step's peak of live memory."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakRSS:
     """Peak resident memory growth during a block (CPU), sampled every 1 ms; CUDA: max_memory_allocated."""
 
@@ -27,6 +41,8 @@ class PeakRSS:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def __enter__(self):
+        if self.device.type == "cpu":
+            return_freed_memory_to_os()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
