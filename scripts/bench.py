@@ -19,20 +19,30 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeout=1800):
+def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeout=1800, chunked_cp1=False):
     cmd = [str(HERE / "bench_step.py"), "--level", level, "--seq-len", str(seq_len), "--cp", str(cp),
            "--strategy", strategy, "--threads", str(threads), "--repeats", str(repeats)]
+    if chunked_cp1:
+        cmd.append("--chunked-loss")
     if no_comm:
         cmd.append("--no-comm")
     if cp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp), *cmd]
     else:
         cmd = [sys.executable, *cmd]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    for attempt in range(2):  # one retry: a torchrun start-up can fail when the machine is busy
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+        if r.returncode == 0 and lines:
+            break
+        Path("runs").mkdir(exist_ok=True)
+        Path("runs/bench_failure.log").write_text(r.stdout + "\n" + r.stderr)
+    if "not both divisible by cp_size" in r.stderr:  # a documented limit of ulysses, not a failure
+        return {"level": level, "seq_len": seq_len, "cp": cp, "strategy": strategy, "no_comm": no_comm,
+                "skipped": "KV heads not divisible by cp"}
     if r.returncode != 0 or not lines:
         return {"level": level, "seq_len": seq_len, "cp": cp, "strategy": strategy, "no_comm": no_comm,
-                "error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
+                "error": next((ln for ln in r.stderr.splitlines() if "Error" in ln), "?")[:300]}
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -44,7 +54,7 @@ def run(args):
             for s in strategies:
                 threads = max(c for c in args.cps) if cp == 1 and args.match_threads else 1
                 threads = min(threads, args.max_threads)
-                results.append(measure(args.level, L, cp, s, threads, args.repeats))
+                results.append(measure(args.level, L, cp, s, threads, args.repeats, chunked_cp1=args.chunked_cp1))
                 print(fmt(results[-1]), flush=True)
                 if args.no_comm and cp > 1 and s == "ring":
                     results.append(measure(args.level, L, cp, s, 1, args.repeats, no_comm=True))
@@ -74,6 +84,8 @@ def longest_under_cap(args):
 
 
 def fmt(r):
+    if "skipped" in r:
+        return f"L={r['seq_len']:>6} cp={r['cp']} {r['strategy']:<9} skipped: {r['skipped']}"
     if "error" in r:
         return f"L={r['seq_len']:>6} cp={r['cp']} {r['strategy']:<9} ERROR {r['error']}"
     tag = " (no comm)" if r.get("no_comm") else ""
@@ -82,9 +94,12 @@ def fmt(r):
 
 
 def table(results):
-    base = {r["seq_len"]: r for r in results if r["cp"] == 1 and "error" not in r}
+    base = {r["seq_len"]: r for r in results if r["cp"] == 1 and "error" not in r and "skipped" not in r}
     rows = ["| L | cp | strategy | time s | x cp=1 | peak MB/rank | x cp=1 | loss |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
+        if "skipped" in r:
+            rows.append(f"| {r['seq_len']} | {r['cp']} | {r['strategy']} | n/a | | | | {r['skipped']} |")
+            continue
         if "error" in r:
             rows.append(f"| {r['seq_len']} | {r['cp']} | {r['strategy']} | error | | | | {r['error'][:60]} |")
             continue
@@ -108,10 +123,10 @@ def plot(results, out: Path):
     for key, label, fname in (("peak_mem_mb", "peak memory per rank (MB)", "memory_vs_length.png"),
                               ("time_s", "step time (s)", "time_vs_length.png")):
         plt.figure(figsize=(6, 4))
-        series = sorted({(r["cp"], r["strategy"], r.get("no_comm", False)) for r in results if "error" not in r})
+        ok = [r for r in results if "error" not in r and "skipped" not in r]
+        series = sorted({(r["cp"], r["strategy"], r.get("no_comm", False)) for r in ok})
         for cp, s, nc in series:
-            pts = sorted((r["seq_len"], r[key]) for r in results
-                         if "error" not in r and (r["cp"], r["strategy"], r.get("no_comm", False)) == (cp, s, nc))
+            pts = sorted((r["seq_len"], r[key]) for r in ok if (r["cp"], r["strategy"], r.get("no_comm", False)) == (cp, s, nc))
             plt.plot(*zip(*pts), marker="o", label=f"cp={cp} {s}{' no-comm' if nc else ''}")
         plt.xscale("log", base=2)
         plt.xlabel("sequence length")
@@ -130,6 +145,8 @@ def main():
     ap.add_argument("--strategies", nargs="+", default=["ring", "allgather", "ulysses"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-comm", action="store_true", help="also time the ring with communication removed")
+    ap.add_argument("--chunked-cp1", action="store_true",
+                    help="cp=1 baseline uses hfcp's chunked loss too (isolates what context parallelism saves)")
     ap.add_argument("--match-threads", action=argparse.BooleanOptionalAction, default=True,
                     help="cp=1 gets as many threads as the largest cp run has processes (capped by --max-threads)")
     ap.add_argument("--max-threads", type=int, default=2)

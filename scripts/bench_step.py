@@ -89,7 +89,17 @@ def model_step(args, device):
         out.loss.backward()
         return float(out.loss)
 
-    return step
+    def step_chunked_single():  # cp = 1 with the same chunked loss: isolates what CP itself saves
+        from hfcp.loss import IGNORE_INDEX, chunked_ce_sum, shift_labels
+
+        base = model.get_base_model()
+        hidden = base.model(input_ids=ids, use_cache=False).last_hidden_state
+        targets = shift_labels(ids)
+        loss = chunked_ce_sum(hidden, targets, base.lm_head, 1024) / (targets != IGNORE_INDEX).sum()
+        loss.backward()
+        return float(loss)
+
+    return step_chunked_single if args.cp == 1 and args.chunked_loss else step
 
 
 def attention_step(args, device):
@@ -146,6 +156,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-comm", action="store_true")
+    ap.add_argument("--chunked-loss", action="store_true", help="cp=1: use hfcp's chunked loss too")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -165,7 +176,8 @@ def main():
             times.append(time.perf_counter() - t)
         mems.append(mem.growth / 2**20)
     result = {"level": args.level, "seq_len": args.seq_len, "cp": args.cp, "strategy": args.strategy if args.cp > 1 else "none",
-              "no_comm": args.no_comm, "threads": args.threads, "time_s": sorted(times)[len(times) // 2],
+              "no_comm": args.no_comm, "threads": args.threads,
+              "chunked_cp1": bool(args.chunked_loss and args.cp == 1), "time_s": sorted(times)[len(times) // 2],
               "peak_mem_mb": max(mems), "loss": loss}
     if args.cp > 1:
         import torch.distributed as dist

@@ -10,6 +10,7 @@ accuracy of those key characters, teacher-forced, on held-out documents).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -199,13 +200,28 @@ def main(argv=None):
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
             save_checkpoint(out_dir / f"checkpoint-{step + 1}", acc, model, opt, sched, step + 1)
     save_checkpoint(out_dir / f"checkpoint-{args.max_steps}", acc, model, opt, sched, args.max_steps)
-    acc.unwrap_model(model).save_pretrained(out_dir / "adapter") if acc.is_main_process else None
-    after = long_range_accuracy(model, tok, args, acc.device)
-    acc.print(f"key accuracy after: {after:.3f} (before {before:.3f}); adapter and metrics in {out_dir}")
     if acc.is_main_process:
-        (out_dir / "summary.json").write_text(json.dumps({"key_accuracy_before": before, "key_accuracy_after": after}))
+        acc.unwrap_model(model).save_pretrained(out_dir / "adapter")
+    same = adapter_identical_on_all_ranks(acc, model)
+    after = long_range_accuracy(model, tok, args, acc.device)
+    acc.print(f"key accuracy after: {after:.3f} (before {before:.3f}); adapter identical on all ranks: {same}; "
+              f"adapter and metrics in {out_dir}")
+    if acc.is_main_process:
+        (out_dir / "summary.json").write_text(json.dumps(
+            {"key_accuracy_before": before, "key_accuracy_after": after, "adapter_identical_on_all_ranks": same}))
         plot_losses(out_dir)
     acc.wait_for_everyone()
+
+
+def adapter_identical_on_all_ranks(acc, model) -> bool:
+    """The main process saves the adapter; check that every rank holds bit-identical trained weights."""
+    from accelerate.utils import gather_object
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(acc.unwrap_model(model))
+    digest = hashlib.sha256(b"".join(t.detach().cpu().contiguous().numpy().tobytes() for _, t in sorted(state.items())))
+    digests = gather_object([digest.hexdigest()])
+    return len(set(digests)) == 1
 
 
 def open_metrics(path: Path, start_step: int):

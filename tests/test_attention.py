@@ -77,7 +77,7 @@ def test_math_kernel_tiles_match_dense(monkeypatch):
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref = W.dense_attention(qr, kr, vr, W.dense_allowed(case, pos, mask), scale)
     ref.backward(dout)
-    monkeypatch.setattr(blocks, "has_fused_kernel", lambda device: False)  # as on a GPU
+    monkeypatch.setattr(blocks, "has_fused_kernel", lambda device, dtype: False)  # the math-kernel path
     monkeypatch.setattr(blocks, "kernel_forward", kernels.reference_forward)
     monkeypatch.setattr(blocks, "kernel_backward", kernels.reference_backward)
     monkeypatch.setattr(blocks, "MAX_TILE", 8)

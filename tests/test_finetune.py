@@ -58,6 +58,11 @@ def test_resume_reproduces_uninterrupted_losses(runs):
         assert abs(r["loss"] - want) <= 1e-5 * abs(want), (resumed, full)
 
 
+def test_adapter_identical_on_every_rank(runs):
+    summary = json.loads((runs / "cp2" / "summary.json").read_text())
+    assert summary["adapter_identical_on_all_ranks"] is True
+
+
 def test_saved_adapter_loads_with_peft(runs):
     import torch
     import transformers

@@ -1,10 +1,10 @@
 """Chunked loss: same loss and gradients as the logits path, and no (tokens x vocab) logits beyond a chunk."""
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 import hfcp
+from hfcp.patch import find_pretrained
 from workers_model import _build, _grads, _rel, make_batch
 
 
@@ -14,7 +14,7 @@ def chunked_vs_logits(case: dict, chunk: int):
     for name, loss_chunk in (("logits", None), ("chunked", chunk)):
         model = _build(case)
         hfcp.patch(model, cp_size=case["cp"], strategy=case["strategy"], loss_chunk=loss_chunk)
-        head = hfcp.patch.__globals__["find_pretrained"](model).get_output_embeddings()
+        head = find_pretrained(model).get_output_embeddings()
         rows = []
         # rows of real logits each call of the head produced (the replaced call returns a (B, L, 0) stand-in)
         spy = head.register_forward_hook(lambda m, args, out: rows.append(out.numel() // max(out.shape[-1], 1)

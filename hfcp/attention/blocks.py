@@ -101,7 +101,7 @@ def _plan_pair(spec, sb, q, k, dtype, device, tiles) -> None:
     if kind == "skip":
         return
     big = ql * kl > MAX_TILE * MAX_TILE
-    fused = has_fused_kernel(device)  # a fused kernel tiles internally; the math kernel needs small tiles
+    fused = has_fused_kernel(device, dtype)  # a fused kernel tiles internally; the math kernel needs small tiles
     if kind == "full" and (fused or not big):
         tiles.append(Tile(qo, ql, ko, kl))
         return

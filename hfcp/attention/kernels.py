@@ -6,6 +6,10 @@ lse (B, H, Lq) float32, natural log of the sum of exp(scale * q.k) over the allo
 """
 from __future__ import annotations
 
+import functools
+import math
+import warnings
+
 import torch
 
 NEG_INF = float("-inf")
@@ -62,15 +66,87 @@ def reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def has_fused_kernel(device) -> bool:
-    """Whether blocks run on a fused kernel that tiles internally (CPU flash); else the math kernel."""
-    return torch.device(device).type == "cpu"
+def _repeat_kv(k, v, rep):
+    return (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)) if rep > 1 else (k, v)
+
+
+def _aligned_bias(mask, b, h, lq, lk):
+    """The mem-efficient kernel wants the bias's last dim stride a multiple of 16: pad, then view."""
+    if mask is None:
+        return None
+    width = math.ceil(lk / 16) * 16
+    buf = mask.new_zeros(mask.shape[0], 1, lq, width)
+    buf[..., :lk] = mask
+    return buf[..., :lk].expand(b, h, lq, lk)
+
+
+def _cuda_forward(q, k, v, mask, is_causal, scale):
+    b, h, lq, _ = q.shape
+    kr, vr = _repeat_kv(k, v, h // k.shape[1])
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, kr, vr, _aligned_bias(mask, b, h, lq, k.shape[2]), True, 0.0, is_causal, scale=scale
+    )
+    return out, lse[..., :lq].float()
+
+
+def _cuda_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
+    b, h, lq, _ = q.shape
+    rep = h // k.shape[1]
+    kr, vr = _repeat_kv(k, v, rep)
+    lse_k = lse.new_full((b, h, math.ceil(lq / 32) * 32), float("inf"))  # the kernel's padded layout
+    lse_k[..., :lq] = lse
+    no_rng = torch.zeros((), dtype=torch.long)  # dropout 0: the kernel draws no random numbers
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q, kr, vr, _aligned_bias(mask, b, h, lq, k.shape[2]), out, lse_k, no_rng, no_rng,
+        0.0, [True, True, True, False], is_causal, scale=scale,
+    )
+    if rep > 1:
+        dk = dk.view(b, h // rep, rep, *dk.shape[2:]).sum(2)
+        dv = dv.view(b, h // rep, rep, *dv.shape[2:]).sum(2)
+    return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_cuda_ok(device: str, dtype: torch.dtype) -> bool:
+    """Run the fused CUDA path once against the math kernel (masked, causal, GQA, fwd + bwd); on any error or
+    mismatch, warn and use the math kernel for this device and dtype (exact, slower)."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v, do = (torch.randn(2, hh, 40, 16, generator=g).to(device, dtype) for hh in (4, 2, 2, 4))
+        mask = torch.zeros(2, 1, 40, 40).masked_fill_(torch.rand(2, 1, 40, 40, generator=g) < 0.3, NEG_INF)
+        mask[..., 0] = 0.0
+        mask = mask.to(device, dtype)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        for m, causal in ((None, True), (mask, False)):
+            o1, l1 = _cuda_forward(q, k, v, m, causal, 0.25)
+            o2, l2 = reference_forward(q, k, v, m, causal, 0.25)
+            g1 = _cuda_backward(do, q, k, v, o1, l1, m, causal, 0.25)
+            g2 = reference_backward(do, q, k, v, o2, l2, m, causal, 0.25)
+            for a, b in ((o1, o2), (l1, l2), *zip(g1, g2)):
+                if not bool(torch.isfinite(a).all()) or float((a.float() - b.float()).abs().max()) > tol * (1 + float(b.float().abs().max())):
+                    raise RuntimeError("fused kernel disagrees with the math kernel")
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+        warnings.warn(f"hfcp: fused CUDA attention unavailable on {device} for {dtype} ({e}); using the exact math "
+                      "kernel (slower, tiles of at most MAX_TILE x MAX_TILE)")
+        return False
+
+
+def has_fused_kernel(device, dtype=torch.float32) -> bool:
+    """Whether blocks run on a fused kernel that tiles internally (CPU flash, CUDA mem-efficient SDPA after a
+    self-check); else the plain-math kernel, whose tiles the planner keeps small."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and _fused_cuda_ok(str(device), dtype)
 
 
 def kernel_forward(q, k, v, mask, is_causal: bool, scale: float):
     """One block of attention: returns (out in q's dtype, lse float32)."""
     if q.device.type == "cpu":
         return _cpu_forward(q, k, v, mask, is_causal, scale)
+    if has_fused_kernel(q.device, q.dtype):
+        return _cuda_forward(q, k, v, mask, is_causal, scale)
     return reference_forward(q, k, v, mask, is_causal, scale)
 
 
@@ -78,6 +154,8 @@ def kernel_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float
     """Block gradients given the *merged* out and lse (rows with no key anywhere carry lse = +inf)."""
     if q.device.type == "cpu":
         return _cpu_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
+    if has_fused_kernel(q.device, q.dtype):
+        return _cuda_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
     return reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
 
 

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# On a GPU machine: the GPU-marked tests, then a short benchmark (one GPU: cp=1 model step and attention).
+# Under 8 minutes on one GPU. Multi-GPU: add --cps 1 2 4 to the bench lines (NCCL, one process per GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pytest -q -m gpu tests/test_gpu.py
+python scripts/bench.py --level attention --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_attention
+python scripts/bench.py --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_model
