@@ -18,3 +18,15 @@ def data_parallel_rank_and_size(model) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def average_gradients(model) -> None:
+    """Without DDP: average every parameter's .grad over the CP group (then each equals the single-device
+    gradient). Under DDP/accelerate this is already done by the data-parallel all-reduce: do not call it."""
+    state = cp_state(model)
+    if state is None:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=state.mesh.cp_group)
+            p.grad.div_(state.mesh.cp_size)

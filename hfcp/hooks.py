@@ -12,7 +12,7 @@ from .collectives import all_reduce_sum
 from .loss import IGNORE_INDEX, causal_lm_loss, chunked_ce_sum, shift_labels
 
 
-def _as_kwargs(module, args, kwargs) -> dict:
+def as_kwargs(module, args, kwargs) -> dict:
     """Positional arguments of the wrapped forward -> keyword arguments."""
     if not args:
         return dict(kwargs)
@@ -45,7 +45,8 @@ class ShardSequenceHook(ModelHook):
 
     def pre_forward(self, module, *args, **kwargs):
         st = self.state
-        kw = _as_kwargs(module, args, kwargs)
+        self._restore_pending_head()  # a forward that raised may have left the head swapped
+        kw = as_kwargs(module, args, kwargs)
         if kw.get("cache") is not None or kw.get("past_key_values") is not None or kw.get("use_cache"):
             raise ValueError(
                 "a hfcp-patched model runs training/eval forwards over the whole sequence; a KV cache "
@@ -60,9 +61,9 @@ class ShardSequenceHook(ModelHook):
         if x is None:
             raise ValueError("hfcp needs input_ids or inputs_embeds to shard the sequence")
         B, L = x.shape[:2]
-        check_shapes(kw, B, L)
-        if st.check_inputs:
+        if st.check_inputs:  # first, so that a rank-specific bad input fails on every rank together
             check_same_batch(kw, st.mesh.cp_group)
+        check_shapes(kw, B, L)
         mask = kw.get("attention_mask")
         layout = Layout(L, st.mesh.cp_size, st.zigzag)
         pos = kw.get("position_ids")
@@ -104,12 +105,18 @@ class ShardSequenceHook(ModelHook):
         head.forward = loss_instead_of_logits
         self._restore_head = lambda: setattr(head, "forward", original)
 
+    def _restore_pending_head(self):
+        restore = getattr(self, "_restore_head", None)
+        if restore is not None:
+            restore()
+            self._restore_head = None
+
     def post_forward(self, module, output):
         st = self.state
         if st.targets is None:
             return output
         if st.loss_chunk:
-            self._restore_head()
+            self._restore_pending_head()
             if st.loss_sum is None:
                 raise RuntimeError(f"{type(module).__name__} did not call its output head; use loss_chunk=None")
             loss = all_reduce_sum(st.loss_sum, st.mesh.cp_group) / st.denominator
@@ -118,8 +125,8 @@ class ShardSequenceHook(ModelHook):
             loss = causal_lm_loss(output["logits"] if not isinstance(output, tuple) else output[0],
                                   st.targets, st.denominator, st.mesh.cp_group)
         st.targets = st.denominator = None
-        if isinstance(output, tuple):
-            return (loss, *(output[1:] if st.loss_chunk else output))
+        if isinstance(output, tuple):  # with loss_chunk the (B, L/cp, 0) stand-in logits become None
+            return (loss, None, *output[1:]) if st.loss_chunk else (loss, *output)
         fields = {k: v for k, v in output.items() if k != "loss"}
         if st.loss_chunk:
             fields["logits"] = None  # never materialised; pass loss_chunk=None to hfcp.patch to get them

@@ -64,9 +64,19 @@ def build_mesh(cp_size: int | None, process_group=None, timeout=None) -> Mesh | 
         size = dist.get_world_size(process_group)
         if cp_size is not None and cp_size != size:
             raise ValueError(f"cp_size={cp_size} differs from the size {size} of the given process_group")
+        if td is not None:
+            raise ValueError("timeout= applies to the groups hfcp creates; create your process_group with "
+                             "torch.distributed.new_group(..., timeout=...) instead")
         if size == 1:
             return None
-        return Mesh(process_group, size, dist.get_rank(process_group), 1, 0)
+        ranks = dist.get_process_group_ranks(process_group)
+        if ranks != list(range(ranks[0], ranks[0] + size)) or ranks[0] % size:
+            raise ValueError(
+                f"process_group ranks {ranks}: hfcp needs consecutive blocks [d*cp, (d+1)*cp) to know each rank's "
+                "data-parallel index; pass cp_size instead and let hfcp build the groups"
+            )
+        world = dist.get_world_size()
+        return Mesh(process_group, size, dist.get_rank(process_group), world // size, ranks[0] // size)
     world = world_size()
     if cp_size is None:
         cp_size = world

@@ -41,8 +41,11 @@ class CPState:
     denominator: object = None
     loss_sum: torch.Tensor | None = None
 
-    def __deepcopy__(self, memo):  # process groups cannot be copied; a deep copy shares the CP state
-        return self
+    def __deepcopy__(self, memo):
+        raise RuntimeError(
+            "copy.deepcopy of a hfcp-patched model is not supported (its hooks and process groups cannot be "
+            "copied correctly): deepcopy before hfcp.patch, or hfcp.unpatch, copy, and patch both"
+        )
 
 
 def find_pretrained(model) -> PreTrainedModel:

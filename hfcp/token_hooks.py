@@ -12,11 +12,14 @@ from __future__ import annotations
 from accelerate.hooks import ModelHook, add_hook_to_module
 
 from .checks import check_same_batch
+from .hooks import as_kwargs
 from .collectives import all_gather
 from .layout import Layout, build_step_batch, pad_to
 
 
 class ShardEmbeddingsHook(ModelHook):
+    """On the embeddings module: its (B, N, H) output -> this rank's (B, N_pad/cp, H) slice, and the step layout."""
+
     def __init__(self, state):
         self.state = state
 
@@ -36,12 +39,18 @@ class CheckPixelsHook(ModelHook):
         self.state = state
 
     def pre_forward(self, module, *args, **kwargs):
+        kwargs = as_kwargs(module, args, kwargs)
+        for name in ("attention_mask", "bool_masked_pos", "head_mask"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"{name} is not supported by hfcp on {type(module).__name__}: the token sequence is split "
+                    "after the embeddings and this argument would be silently ignored or mis-split; drop it, "
+                    "or call hfcp.unpatch(model)"
+                )
         if self.state.check_inputs:
             names = ("pixel_values", "labels")
-            values = dict(zip(names, args))
-            values.update({k: kwargs[k] for k in names if k in kwargs})
-            check_same_batch(values, self.state.mesh.cp_group, names)
-        return args, kwargs
+            check_same_batch(kwargs, self.state.mesh.cp_group, names)
+        return (), kwargs
 
     def post_forward(self, module, output):
         st = self.state

@@ -69,7 +69,7 @@ def longest_under_cap(args):
     for cp in args.cps:
         strategy = "none" if cp == 1 else args.strategies[0]
         threads = min(max(args.cps), args.max_threads) if cp == 1 else 1
-        fits = lambda L: "error" not in (r := measure("model", L, cp, strategy, threads, 1)) and r["peak_mem_mb"] <= args.mem_cap_mb  # noqa: E731
+        fits = lambda L: "error" not in (r := measure("model", L, cp, strategy, threads, 1, chunked_cp1=args.chunked_cp1)) and r["peak_mem_mb"] <= args.mem_cap_mb  # noqa: E731
         lo, hi = 0, 1024
         while fits(hi):
             lo, hi = hi, hi * 2

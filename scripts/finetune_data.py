@@ -92,6 +92,9 @@ def pack(docs: list[list[int]], seq_len: int) -> list[tuple[torch.Tensor, torch.
     out = []
     for ids, pos in rows:
         pad = seq_len - len(ids)
+        # a document's first token is no target of the previous document's last one (as transformers'
+        # DataCollatorWithFlattening does): -100 where a position restarts at 0
+        labels = [-100 if p == 0 and i > 0 else t for i, (t, p) in enumerate(zip(ids, pos))]
         out.append((torch.tensor(ids + [0] * pad), torch.tensor(pos + list(range(len(pos), len(pos) + pad))),
-                    torch.tensor(ids + [-100] * pad)))
+                    torch.tensor(labels + [-100] * pad)))
     return out

@@ -10,6 +10,7 @@ accuracy of those key characters, teacher-forced, on held-out documents).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -182,8 +183,10 @@ def main(argv=None):
         for m in range(args.grad_accum):
             batch = {k: v.to(acc.device) for k, v in
                      batches_for_step(rows, step, m, args.grad_accum, args.batch_size, dp_rank, dp_size).items()}
-            out = model(**batch)
-            acc.backward(out.loss / args.grad_accum)
+            sync = m == args.grad_accum - 1  # DDP all-reduces once, on the last micro-step
+            with contextlib.nullcontext() if sync else acc.no_sync(model):
+                out = model(**batch)
+                acc.backward(out.loss / args.grad_accum)
             loss_sum += out.loss.item() / args.grad_accum
         acc.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -9,7 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "scripts" / "finetune_lora.py")
-COMMON = ["--seq-len", "256", "--max-steps", "4", "--save-every", "2", "--lora-r", "4", "--eval-docs", "1"]
+COMMON = ["--seq-len", "256", "--max-steps", "4", "--save-every", "2", "--lora-r", "4", "--eval-docs", "1",
+          "--grad-accum", "2"]
 
 
 def _run(cmd, **env):

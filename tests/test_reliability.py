@@ -56,3 +56,34 @@ def test_killed_rank_survivor_raises_within_timeout():
         pool.close(kill=True)
     assert r["raised"] == "CollectiveError" and r["after_s"] < 15, r
     assert "peer rank probably raised, died" in r["message"], r
+
+
+def test_vision_attention_mask_is_refused_not_ignored(pool2):
+    for msg in pool2.run(W.vision_attention_mask_refused):
+        assert msg and "attention_mask is not supported by hfcp on ViTForImageClassification" in msg, msg
+
+
+def test_deepcopy_of_a_patched_model_is_refused(pool2):
+    for msg in pool2.run(W.deepcopy_refused):
+        assert msg and "deepcopy before hfcp.patch" in msg, msg
+
+
+def test_user_process_group_gives_data_parallel_coordinates(pool4):
+    assert pool4.run(W.user_process_group, "ok") == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("kind, message", [("timeout", "create your process_group with"),
+                                           ("non_contiguous", "consecutive blocks")])
+def test_user_process_group_errors(pool4, kind, message):
+    results = pool4.run(W.user_process_group, kind)
+    assert any(r and message in r for r in results), results
+
+
+def test_failed_forward_does_not_leave_the_head_swapped(pool2):
+    for r in pool2.run(W.head_restored_after_a_failed_forward):
+        assert r["raised"] and r["logits_shape"] == (2, 8, 64) and r["tuple_second"], r
+
+
+def test_average_gradients_helper(pool2):
+    for err in pool2.run(W.average_gradients_matches_single_device):
+        assert err < 1e-5

@@ -94,3 +94,76 @@ def random_draws(n: int, seed: int):
             case["B"] = 2
         results.append((case, run_case(case)))
     return results
+
+
+def vision_attention_mask_refused():
+    from workers_vision import build, pixels
+
+    model = hfcp.patch(build("vit", "cls"))
+    try:
+        model(pixels("vit", 2, None, None), attention_mask=torch.ones(2, 17))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def deepcopy_refused():
+    import copy
+
+    model = _patched()
+    try:
+        copy.deepcopy(model)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def user_process_group(kind: str):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(d * 2, d * 2 + 2))) for d in range(world // 2)]
+    odd = dist.new_group([0, 2]) if kind == "non_contiguous" else None
+    mine = groups[rank // 2]
+    try:
+        if kind == "timeout":
+            hfcp.patch(tiny_model("llama"), process_group=mine, timeout=5)
+        elif kind == "non_contiguous":
+            if rank in (0, 2):
+                hfcp.patch(tiny_model("llama"), process_group=odd)
+            return "not in group"
+        else:
+            model = hfcp.patch(tiny_model("llama"), process_group=mine)
+            return hfcp.data_parallel_rank_and_size(model)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def head_restored_after_a_failed_forward():
+    """A forward that raises mid-way (attention dropout refused) must not leave the output head swapped."""
+    model = hfcp.patch(tiny_model("llama"), loss_chunk=4)
+    attn = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+    for m in attn:
+        m.attention_dropout = 0.1
+    batch = make_batch(dict(B=2, L=16))
+    try:
+        model(**batch)
+        raised = False
+    except ValueError:
+        raised = True
+    for m in attn:
+        m.attention_dropout = 0.0
+    logits = model(input_ids=batch["input_ids"]).logits
+    as_tuple = model(**batch, return_dict=False)
+    return {"raised": raised, "logits_shape": tuple(logits.shape), "tuple_second": as_tuple[1] is None,
+            "tuple_loss": float(as_tuple[0])}
+
+
+def average_gradients_matches_single_device():
+    batch = make_batch(dict(B=2, L=20))
+    ref = tiny_model("llama")
+    ref(**batch, use_cache=False).loss.backward()
+    model = hfcp.patch(tiny_model("llama"))
+    model(**batch).loss.backward()
+    hfcp.average_gradients(model)
+    return max(float((p.grad - r.grad).abs().max() / r.grad.abs().max())
+               for p, r in zip(model.parameters(), ref.parameters()))

@@ -146,6 +146,7 @@ def forward_tiles(q, k, v, tiles: list[Tile], scale: float, out: torch.Tensor, l
         o, l = kernel_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], t.mask, t.is_causal, scale)
         if t.empty_rows is not None:  # the CPU kernel reports lse 0 for such rows: give them no weight
             l = l.masked_fill(t.empty_rows, NEG_INF)
+            o = o.masked_fill(t.empty_rows[..., None], 0.0)  # and never let a kernel's NaN there reach the merge
         merge_into(out[:, :, qs], lse[:, :, qs], o, l)
 
 
