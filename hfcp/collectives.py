@@ -147,6 +147,7 @@ class RingComm:
         self._pending = None
 
     def exchange(self, tensors: list[torch.Tensor]) -> None:
+        """Start sending `tensors` to the next rank and receiving same-shaped ones from the previous rank."""
         if self._pending is not None:
             raise RuntimeError("RingComm.exchange called while a previous exchange is in flight; call wait() first")
         sends = [t.contiguous() for t in tensors]
@@ -157,6 +158,7 @@ class RingComm:
             self._pending = (dist.batch_isend_irecv(ops), recvs, sends)
 
     def wait(self) -> list[torch.Tensor]:
+        """Finish the exchange in flight; returns the received tensors. Raises CollectiveError on failure."""
         if self._pending is None:
             raise RuntimeError("RingComm.wait called with no exchange in flight")
         works, recvs, _ = self._pending

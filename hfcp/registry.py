@@ -17,7 +17,6 @@ class Patcher:
         attention_classes: class names of the attention modules that call transformers' AttentionInterface.
         causal: whether attention is causal (chooses the zigzag layout).
         num_heads_attr / num_kv_heads_attr: config attributes with the head counts (ulysses checks them).
-        max_positions_attr: config attribute bounding the sequence length, or None.
         embeddings_classes: token-sequence models (vision/video): the module whose output is the token
             sequence (patch/tubelet embedding + position + CLS); hfcp shards its output. Empty: shard input_ids.
         first_token_pooler: the base model's `pooler` reads token 0 (CLS), so hfcp feeds it the global one.
@@ -29,7 +28,6 @@ class Patcher:
     causal: bool = True
     num_heads_attr: str = "num_attention_heads"
     num_kv_heads_attr: str = "num_key_value_heads"
-    max_positions_attr: str | None = "max_position_embeddings"
     embeddings_classes: tuple[str, ...] = ()
     first_token_pooler: bool = False
     unsupported_reason: str | None = None

@@ -4,6 +4,6 @@ from hfcp.registry import Patcher, register_patcher
 
 register_patcher(Patcher(
     model_type="videomae", attention_classes=("VideoMAESelfAttention",), causal=False,
-    num_kv_heads_attr="num_attention_heads", max_positions_attr=None,
+    num_kv_heads_attr="num_attention_heads",
     embeddings_classes=("VideoMAEEmbeddings",),
 ))

@@ -20,6 +20,8 @@ MAX_TILE = 1024
 
 @dataclass(frozen=True)
 class MaskSpec:
+    """The per-call part of the mask (the per-step part, documents and padding, lives in the StepBatch)."""
+
     causal: bool
     window: int | None  # keys with q - k >= window are masked (transformers' sliding_window)
 

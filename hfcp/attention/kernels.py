@@ -49,6 +49,7 @@ def reference_forward(q, k, v, mask, is_causal, scale):
 
 
 def reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
+    """Plain-math block gradients from the merged out and lse: P = exp(s - lse), dS = P * (dP - rowsum(dO * O))."""
     s, rep = _scores(q, k, mask, is_causal, scale)
     p = torch.exp(s - lse[..., None])  # lse = +inf for rows with no allowed key: p = 0
     vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v

@@ -17,6 +17,7 @@ KV_TAG, GRAD_TAG = 0, 1
 
 
 def ring_forward(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group):
+    """Returns (out (B, H, L/cp, D) in q's dtype, lse (B, H, L/cp) fp32) of the local queries against all keys."""
     cp, rank = group_size(group), group_rank(group)
     comm = RingComm(group, KV_TAG)
     out, lse = new_accumulators(q)  # (B, H, L/cp, D), (B, H, L/cp) fp32
@@ -34,6 +35,7 @@ def ring_forward(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group):
 
 
 def ring_backward(dout, q, k, v, out, lse, sb: StepBatch, spec: MaskSpec, scale: float, group):
+    """Returns (dq, dk, dv) of the local q/k/v; dk/dv accumulate while travelling the ring with their block."""
     cp, rank = group_size(group), group_rank(group)
     kv_comm, grad_comm = RingComm(group, KV_TAG), RingComm(group, GRAD_TAG)
     q_ranges = sb.layout.ranges(rank)
