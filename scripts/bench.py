@@ -19,9 +19,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeout=1800, chunked_cp1=False):
+def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeout=1800, chunked_cp1=False,
+            loss_chunk=1024):
     cmd = [str(HERE / "bench_step.py"), "--level", level, "--seq-len", str(seq_len), "--cp", str(cp),
-           "--strategy", strategy, "--threads", str(threads), "--repeats", str(repeats)]
+           "--strategy", strategy, "--threads", str(threads), "--repeats", str(repeats), "--loss-chunk", str(loss_chunk)]
     if chunked_cp1:
         cmd.append("--chunked-loss")
     if no_comm:
@@ -54,7 +55,8 @@ def run(args):
             for s in strategies:
                 threads = max(c for c in args.cps) if cp == 1 and args.match_threads else 1
                 threads = min(threads, args.max_threads)
-                results.append(measure(args.level, L, cp, s, threads, args.repeats, chunked_cp1=args.chunked_cp1))
+                results.append(measure(args.level, L, cp, s, threads, args.repeats, chunked_cp1=args.chunked_cp1,
+                                       loss_chunk=args.loss_chunk))
                 print(fmt(results[-1]), flush=True)
                 if args.no_comm and cp > 1 and s == "ring":
                     results.append(measure(args.level, L, cp, s, 1, args.repeats, no_comm=True))
@@ -69,7 +71,8 @@ def longest_under_cap(args):
     for cp in args.cps:
         strategy = "none" if cp == 1 else args.strategies[0]
         threads = min(max(args.cps), args.max_threads) if cp == 1 else 1
-        fits = lambda L: "error" not in (r := measure("model", L, cp, strategy, threads, 1, chunked_cp1=args.chunked_cp1)) and r["peak_mem_mb"] <= args.mem_cap_mb  # noqa: E731
+        fits = lambda L: "error" not in (r := measure("model", L, cp, strategy, threads, 1, chunked_cp1=args.chunked_cp1,
+                                          loss_chunk=args.loss_chunk)) and r["peak_mem_mb"] <= args.mem_cap_mb  # noqa: E731
         lo, hi = 0, 1024
         while fits(hi):
             lo, hi = hi, hi * 2
@@ -150,6 +153,7 @@ def main():
     ap.add_argument("--match-threads", action=argparse.BooleanOptionalAction, default=True,
                     help="cp=1 gets as many threads as the largest cp run has processes (capped by --max-threads)")
     ap.add_argument("--max-threads", type=int, default=2)
+    ap.add_argument("--loss-chunk", type=int, default=1024, help="hfcp's loss_chunk (and the chunked cp=1 baseline's)")
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--quick", action="store_true", help="smoke run: L=1024, cp 1/2, ring, 1 repeat")
     ap.add_argument("--mem-cap-mb", type=float, help="instead: find the longest sequence under this per-rank cap")

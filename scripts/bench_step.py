@@ -81,7 +81,7 @@ def model_step(args, device):
     model = transformers.LlamaForCausalLM(cfg).to(device)
     model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     if args.cp > 1:
-        hfcp.patch(model, strategy=args.strategy, loss_chunk=1024, check_inputs=False)
+        hfcp.patch(model, strategy=args.strategy, loss_chunk=args.loss_chunk, check_inputs=False)
     ids = torch.randint(0, 4096, (1, args.seq_len), generator=torch.Generator().manual_seed(1)).to(device)
 
     def step():
@@ -95,7 +95,7 @@ def model_step(args, device):
         base = model.get_base_model()
         hidden = base.model(input_ids=ids, use_cache=False).last_hidden_state
         targets = shift_labels(ids)
-        loss = chunked_ce_sum(hidden, targets, base.lm_head, 1024) / (targets != IGNORE_INDEX).sum()
+        loss = chunked_ce_sum(hidden, targets, base.lm_head, args.loss_chunk) / (targets != IGNORE_INDEX).sum()
         loss.backward()
         return float(loss)
 
@@ -157,6 +157,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-comm", action="store_true")
     ap.add_argument("--chunked-loss", action="store_true", help="cp=1: use hfcp's chunked loss too")
+    ap.add_argument("--loss-chunk", type=int, default=1024)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
