@@ -46,7 +46,7 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
-def _reduce_scatter_sum(full: torch.Tensor, group, dim: int) -> torch.Tensor:
+def reduce_scatter_sum(full: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Sum `full` over the group and return this rank's equal slice along `dim`."""
     size, rank = group_size(group), group_rank(group)
     with guarded("reduce-scatter", group):
@@ -60,7 +60,7 @@ def _reduce_scatter_sum(full: torch.Tensor, group, dim: int) -> torch.Tensor:
         return out.movedim(0, dim).contiguous()
 
 
-def _all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def all_gather_no_grad(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Concatenate every rank's `x` (same shape on all ranks) along `dim`, in group-rank order."""
     size = group_size(group)
     x = x.contiguous()
@@ -95,11 +95,11 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _all_gather_cat(x, group, dim)
+        return all_gather_no_grad(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_sum(grad, ctx.group, ctx.dim), None, None
+        return reduce_scatter_sum(grad, ctx.group, ctx.dim), None, None
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -112,12 +112,6 @@ def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return _AllGather.apply(x, group, dim)
 
 
-def all_gather_no_grad(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    return _all_gather_cat(x, group, dim)
-
-
-def reduce_scatter_sum(full: torch.Tensor, group, dim: int) -> torch.Tensor:
-    return _reduce_scatter_sum(full, group, dim)
 
 
 def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:

@@ -8,8 +8,7 @@ from accelerate.hooks import ModelHook
 
 from .checks import check_same_batch, check_shapes
 from .layout import Layout, build_step_batch, pad_to
-from .collectives import all_reduce_sum
-from .loss import IGNORE_INDEX, causal_lm_loss, chunked_ce_sum, shift_labels
+from .loss import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean, shift_labels
 
 
 def as_kwargs(module, args, kwargs) -> dict:
@@ -42,6 +41,7 @@ class ShardSequenceHook(ModelHook):
 
     def __init__(self, state):
         self.state = state
+        self._restore_head = None
 
     def pre_forward(self, module, *args, **kwargs):
         st = self.state
@@ -65,7 +65,7 @@ class ShardSequenceHook(ModelHook):
             check_same_batch(kw, st.mesh.cp_group)
         check_shapes(kw, B, L)
         mask = kw.get("attention_mask")
-        layout = Layout(L, st.mesh.cp_size, st.zigzag)
+        layout = Layout(L, st.mesh.cp_size, zigzag=st.patcher.causal)
         pos = kw.get("position_ids")
         if pos is None:
             pos = torch.arange(L, device=x.device)[None].expand(B, -1)
@@ -106,9 +106,8 @@ class ShardSequenceHook(ModelHook):
         self._restore_head = lambda: setattr(head, "forward", original)
 
     def _restore_pending_head(self):
-        restore = getattr(self, "_restore_head", None)
-        if restore is not None:
-            restore()
+        if self._restore_head is not None:
+            self._restore_head()
             self._restore_head = None
 
     def post_forward(self, module, output):
@@ -119,11 +118,10 @@ class ShardSequenceHook(ModelHook):
             self._restore_pending_head()
             if st.loss_sum is None:
                 raise RuntimeError(f"{type(module).__name__} did not call its output head; use loss_chunk=None")
-            loss = all_reduce_sum(st.loss_sum, st.mesh.cp_group) / st.denominator
-            st.loss_sum = None
+            local_sum, st.loss_sum = st.loss_sum, None
         else:
-            loss = causal_lm_loss(output["logits"] if not isinstance(output, tuple) else output[0],
-                                  st.targets, st.denominator, st.mesh.cp_group)
+            local_sum = ce_sum(output["logits"] if not isinstance(output, tuple) else output[0], st.targets)
+        loss = global_mean(local_sum, st.denominator, st.mesh.cp_group)
         st.targets = st.denominator = None
         if isinstance(output, tuple):  # with loss_chunk the (B, L/cp, 0) stand-in logits become None
             return (loss, None, *output[1:]) if st.loss_chunk else (loss, *output)

@@ -19,23 +19,19 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
 
 
-def causal_lm_loss(logits: torch.Tensor, local_targets: torch.Tensor, denominator, group) -> torch.Tensor:
-    """sum of CE over the valid local tokens / denominator, summed over the CP group.
-
-    Args:
-        logits: (B, L/cp, V) local logits.
-        local_targets: (B, L/cp) shifted labels of the local tokens (IGNORE_INDEX where none).
-        denominator: the global count of valid targets (or the caller's num_items_in_batch).
-        group: the CP group.
-    Returns:
-        The scalar loss, identical on every rank of the group (0-token ranks contribute exactly 0).
-    """
-    local_sum = F.cross_entropy(
+def ce_sum(logits: torch.Tensor, local_targets: torch.Tensor) -> torch.Tensor:
+    """sum of CE over the valid local tokens: logits (B, L/cp, V), targets (B, L/cp) -> fp32 scalar."""
+    return F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]),
         local_targets.reshape(-1).to(logits.device),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def global_mean(local_sum: torch.Tensor, denominator, group) -> torch.Tensor:
+    """sum over the CP group / denominator (the global count of valid targets, or num_items_in_batch),
+    identical on every rank; the all-reduce's backward is an all-reduce (see collectives)."""
     total = all_reduce_sum(local_sum, group)
     if isinstance(denominator, torch.Tensor):
         denominator = denominator.to(total.device)
@@ -43,7 +39,7 @@ def causal_lm_loss(logits: torch.Tensor, local_targets: torch.Tensor, denominato
 
 
 def _chunk_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return ce_sum(head(hidden), targets)
 
 
 def chunked_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int) -> torch.Tensor:

@@ -29,7 +29,6 @@ class CPState:
     strategy: str
     patcher: Patcher
     head: str  # "causal_lm", "classification" or "base"
-    zigzag: bool
     original_attn: str
     settings: tuple
     check_inputs: bool = True
@@ -142,7 +141,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         if embeddings is None:
             raise UnsupportedModelError(f"the {model_type!r} patcher found no {patcher.embeddings_classes} module")
     register_with_transformers()
-    state = CPState(mesh, strategy, patcher, head, zigzag=patcher.causal,
+    state = CPState(mesh, strategy, patcher, head,
                     original_attn=inner.config._attn_implementation, settings=settings,
                     check_inputs=check_inputs, loss_chunk=loss_chunk if head == "causal_lm" else None,
                     modules=modules)
@@ -208,7 +207,4 @@ def gather_sequence(tensor: torch.Tensor, model, dim: int = 1) -> torch.Tensor:
     if tensor.shape[dim] != layout.local_len:
         raise ValueError(f"tensor has {tensor.shape[dim]} tokens along dim {dim}; the local slice has {layout.local_len}")
     full = all_gather(tensor, state.mesh.cp_group, dim)
-    order = layout.gathered_order(full.device)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=full.device)
-    return full.index_select(dim, inverse[: layout.seq_len])
+    return full.index_select(dim, layout.gathered_inverse(full.device))
