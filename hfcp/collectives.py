@@ -114,15 +114,33 @@ def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 
-def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    """Split `x` into group-size pieces along `scatter_dim`, send piece j to rank j, and concatenate the
-    received pieces along `gather_dim` (no autograd; the Ulysses Function calls it both ways)."""
+def _all_to_all_packed(pieces: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """pieces[i] (size, *shape_i): slice j of every piece goes to rank j, in ONE collective; returns the
+    received (size, *shape_i) tensors, whose slice j came from rank j."""
     size = group_size(group)
-    inputs = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
-    outputs = [torch.empty_like(inputs[0]) for _ in range(size)]
+    flat = torch.cat([p.reshape(size, -1) for p in pieces], dim=1)  # (size, sum of numels / size)
+    received = torch.empty_like(flat)
     with guarded("all-to-all", group):
-        dist.all_to_all(outputs, inputs, group=group)
-    return torch.cat(outputs, dim=gather_dim)
+        dist.all_to_all_single(received, flat, group=group)
+    widths = [p[0].numel() for p in pieces]
+    return [r.reshape(p.shape) for r, p in zip(received.split(widths, dim=1), pieces)]
+
+
+def all_to_all_heads(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Each (B, H_i, Lc, D) -> (B, H_i/size, size*Lc, D): head group j goes to rank j, and the received sequence
+    slices are concatenated in rank order. One collective for all tensors (no autograd)."""
+    size = group_size(group)
+    pieces = [t.reshape(t.shape[0], size, t.shape[1] // size, *t.shape[2:]).transpose(0, 1) for t in tensors]
+    out = _all_to_all_packed(pieces, group)  # each (size, B, H/size, Lc, D), slice j from rank j
+    return [o.permute(1, 2, 0, 3, 4).reshape(o.shape[1], o.shape[2], -1, o.shape[4]) for o in out]
+
+
+def all_to_all_sequence(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """The inverse of all_to_all_heads: each (B, H_i/size, size*Lc, D) -> (B, H_i, Lc, D)."""
+    size = group_size(group)
+    pieces = [t.reshape(t.shape[0], t.shape[1], size, -1, t.shape[3]).permute(2, 0, 1, 3, 4) for t in tensors]
+    out = _all_to_all_packed(pieces, group)  # each (size, B, H/size, Lc, D), slice j = rank j's head group
+    return [o.transpose(0, 1).reshape(o.shape[1], -1, *o.shape[3:]) for o in out]
 
 
 class RingComm:

@@ -119,6 +119,8 @@ def attention_step(args, device):
             return 0.0
 
         return step
+    if args.strategy == "deepspeed":
+        return deepspeed_ulysses_step(q, k, v, args, device)
     mesh = build_mesh(args.cp)
     if args.no_comm:  # the same ring schedule and tiles, with every exchange replaced by reusing local K/V
         from hfcp import collectives
@@ -141,6 +143,35 @@ def attention_step(args, device):
 
     def step():
         out = STRATEGIES[args.strategy](ql, kl, vl, sb, MaskSpec(True, None), D ** -0.5, mesh.cp_group)
+        out.sum().backward()
+        return 0.0
+
+    return step
+
+
+def deepspeed_ulysses_step(q, k, v, args, device):
+    """DeepSpeed Ulysses (deepspeed.sequence.layer.DistributedAttention) on the same q/k/v: contiguous
+    sequence shards in its (B, L/cp, H, D) layout, all-to-all to (B, L, H/cp, D), causal SDPA locally.
+    Optional dependency: on CPU it needs DS_ACCELERATOR=cpu (set here) and runs over gloo."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else "cuda")
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.sequence.layer import DistributedAttention
+
+    deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo")  # wraps the existing process group
+
+    def local_attention(q, k, v, *args, **kwargs):  # (B, L, H/cp, D) each -> (B, L, H/cp, D)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    attention = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
+    rank, per_rank = dist.get_rank(), args.seq_len // args.cp
+    ql, kl, vl = (t[:, :, rank * per_rank : (rank + 1) * per_rank].transpose(1, 2).contiguous().to(device).requires_grad_()
+                  for t in (q, k, v))  # (B, L/cp, H, D)
+
+    def step():
+        out = attention(ql, kl, vl, 0)
         out.sum().backward()
         return 0.0
 

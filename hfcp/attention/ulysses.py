@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import all_to_all, group_size
+from ..collectives import all_to_all_heads, all_to_all_sequence, group_size
 from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
 
@@ -19,39 +19,41 @@ def check_heads(num_heads: int, num_kv_heads: int, cp: int) -> None:
         )
 
 
-def _to_heads(x, group):  # (B, H, L/cp, D) -> (B, H/cp, L, D)
-    return all_to_all(x, group, scatter_dim=1, gather_dim=2)
-
-
-def _to_sequence(x, group):  # (B, H/cp, L, D) -> (B, H, L/cp, D)
-    return all_to_all(x, group, scatter_dim=2, gather_dim=1)
-
+def _natural_order(sb: StepBatch, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, inverse): order[j] is the global index at gathered position j; inverse undoes it."""
+    order = sb.layout.gathered_order(device)
+    return order, torch.argsort(order)
 
 
 class UlyssesAttention(torch.autograd.Function):
+    """After the all-to-all every rank holds the whole sequence for its heads; it is put in natural (global)
+    order first, so a plain causal mask is a single kernel call instead of merged zigzag blocks."""
+
     @staticmethod
     def forward(ctx, q, k, v, sb, spec, scale, group):
         cp = group_size(group)
         check_heads(q.shape[1], k.shape[1], cp)
-        qf, kf, vf = (_to_heads(t, group) for t in (q, k, v))
-        ranges = sb.layout.all_ranges()
-        tiles = plan_tiles(spec, sb, ranges, ranges, q.dtype, q.device)
-        out_f, lse_f = new_accumulators(qf)
-        forward_tiles(qf, kf, vf, tiles, scale, out_f, lse_f)
-        out_f = out_f.to(q.dtype)
-        ctx.save_for_backward(qf, kf, vf, out_f, lse_f)
+        order, inverse = _natural_order(sb, q.device)
+        qn, kn, vn = (t.index_select(2, inverse) for t in all_to_all_heads([q, k, v], group))  # (B, H/cp, L, D) natural
+        whole = [(0, sb.layout.padded_len)]
+        tiles = plan_tiles(spec, sb, whole, whole, q.dtype, q.device)
+        out_n, lse_n = new_accumulators(qn)
+        forward_tiles(qn, kn, vn, tiles, scale, out_n, lse_n)
+        out_n = out_n.to(q.dtype)
+        ctx.save_for_backward(qn, kn, vn, out_n, lse_n, order, inverse)
         ctx.args = (sb, spec, scale, group)
-        return _to_sequence(out_f, group)
+        return all_to_all_sequence([out_n.index_select(2, order)], group)[0]
 
     @staticmethod
     def backward(ctx, dout):
-        qf, kf, vf, out_f, lse_f = ctx.saved_tensors
+        qn, kn, vn, out_n, lse_n, order, inverse = ctx.saved_tensors
         sb, spec, scale, group = ctx.args
-        ranges = sb.layout.all_ranges()
-        tiles = plan_tiles(spec, sb, ranges, ranges, qf.dtype, qf.device)
-        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (qf, kf, vf))
-        backward_tiles(_to_heads(dout.contiguous(), group), qf, kf, vf, out_f, lse_f, tiles, scale, dq, dk, dv)
-        grads = (_to_sequence(g.to(t.dtype), group) for g, t in ((dq, qf), (dk, kf), (dv, vf)))
+        whole = [(0, sb.layout.padded_len)]
+        tiles = plan_tiles(spec, sb, whole, whole, qn.dtype, qn.device)
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (qn, kn, vn))
+        dout_n = all_to_all_heads([dout], group)[0].index_select(2, inverse)
+        backward_tiles(dout_n, qn, kn, vn, out_n, lse_n, tiles, scale, dq, dk, dv)
+        grads = all_to_all_sequence([g.to(t.dtype).index_select(2, order) for g, t in ((dq, qn), (dk, kn), (dv, vn))], group)
         return (*grads, None, None, None, None)
 
 
