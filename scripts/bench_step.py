@@ -80,9 +80,11 @@ def model_step(args, device):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(device)
     model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    ids = torch.randint(0, 4096, (1, args.seq_len), generator=torch.Generator().manual_seed(1)).to(device)
+    if args.cp > 1 and args.strategy == "deepspeed":
+        return deepspeed_model_step(model, ids, args, device)
     if args.cp > 1:
         hfcp.patch(model, strategy=args.strategy, loss_chunk=args.loss_chunk, check_inputs=False)
-    ids = torch.randint(0, 4096, (1, args.seq_len), generator=torch.Generator().manual_seed(1)).to(device)
 
     def step():
         out = model(input_ids=ids, labels=ids)
@@ -149,10 +151,9 @@ def attention_step(args, device):
     return step
 
 
-def deepspeed_ulysses_step(q, k, v, args, device):
-    """DeepSpeed Ulysses (deepspeed.sequence.layer.DistributedAttention) on the same q/k/v: contiguous
-    sequence shards in its (B, L/cp, H, D) layout, all-to-all to (B, L, H/cp, D), causal SDPA locally.
-    Optional dependency: on CPU it needs DS_ACCELERATOR=cpu (set here) and runs over gloo."""
+def deepspeed_attention(device):
+    """A DeepSpeed Ulysses DistributedAttention over the world group, with causal SDPA as its local attention,
+    taking and returning (B, L/cp, H, D). Optional dependency: on CPU it needs DS_ACCELERATOR=cpu (set here)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else "cuda")
     import deepspeed
     import torch.distributed as dist
@@ -165,9 +166,51 @@ def deepspeed_ulysses_step(q, k, v, args, device):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.transpose(1, 2)
 
-    attention = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
-    rank, per_rank = dist.get_rank(), args.seq_len // args.cp
-    ql, kl, vl = (t[:, :, rank * per_rank : (rank + 1) * per_rank].transpose(1, 2).contiguous().to(device).requires_grad_()
+    return DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
+
+
+def deepspeed_model_step(model, ids, args, device):
+    """The same LoRA step with DeepSpeed Ulysses as the attention: contiguous shards of the sequence, the
+    transformers model unchanged except its attention function, the loss on this rank's full logits
+    (what a DeepSpeed user gets from the model's forward), summed over the group."""
+    import torch.distributed as dist
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from hfcp.loss import IGNORE_INDEX, ce_sum, shift_labels
+
+    attention = deepspeed_attention(device)
+
+    def ds_attention(module, query, key, value, attention_mask, **kwargs):  # (B, H, L/cp, D) -> (B, L/cp, H, D)
+        return attention(*(t.transpose(1, 2) for t in (query, key, value)), 0), None
+
+    AttentionInterface.register("ds_ulysses", ds_attention)
+    AttentionMaskInterface.register("ds_ulysses", lambda *a, **k: None)  # causal is applied inside
+    model.set_attn_implementation("ds_ulysses")
+    rank, n = dist.get_rank(), args.seq_len // args.cp
+    local = slice(rank * n, (rank + 1) * n)
+    targets = shift_labels(ids)
+    count = (targets != IGNORE_INDEX).sum()
+
+    def step():
+        logits = model(input_ids=ids[:, local], position_ids=torch.arange(args.seq_len, device=device)[None, local],
+                       use_cache=False).logits
+        loss = ce_sum(logits, targets[:, local]) / count
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return float(total)
+
+    return step
+
+
+def deepspeed_ulysses_step(q, k, v, args, device):
+    """DeepSpeed Ulysses on the same q/k/v, in its own layout: contiguous shards (B, L/cp, H, D)."""
+    import torch.distributed as dist
+
+    attention = deepspeed_attention(device)
+    rank, n = dist.get_rank(), args.seq_len // args.cp
+    ql, kl, vl = (t[:, :, rank * n : (rank + 1) * n].transpose(1, 2).contiguous().to(device).requires_grad_()
                   for t in (q, k, v))  # (B, L/cp, H, D)
 
     def step():

@@ -128,10 +128,28 @@ def _plan_pair(spec, sb, q, k, dtype, device, tiles) -> None:
     tiles.append(Tile(qo, ql, ko, kl, mask=mask, empty_rows=empty if bool(empty.any()) else None))
 
 
+def _causal_in_tensor_order(spec: MaskSpec, sb: StepBatch, ranges) -> bool:
+    """Whether queries and keys at the same ascending `ranges` see exactly a causal mask in tensor order
+    (no window, document or padding boundary inside): then one causal kernel call covers them all."""
+    starts = [s for s, _ in ranges]
+    if not spec.causal or starts != sorted(starts):
+        return False
+    if spec.window is not None and spec.window < sb.layout.padded_len:
+        return False
+    lo, hi = ranges[0][0], ranges[-1][0] + ranges[-1][1] - 1
+    if sb.doc_ids is not None and not bool((sb.doc_ids[:, lo] == sb.doc_ids[:, hi]).all()):
+        return False
+    return sb.key_valid is None or all(bool(sb.key_valid[:, s : s + n].all()) for s, n in ranges)
+
+
 def plan_tiles(spec: MaskSpec, sb: StepBatch, q_ranges, k_ranges, dtype, device) -> list[Tile]:
     """Tiles of work for queries at global `q_ranges` against keys at `k_ranges` (both in tensor order)."""
     key = (spec, tuple(q_ranges), tuple(k_ranges), dtype, str(device))
     tiles = sb.plans.get(key)
+    if tiles is None and tuple(q_ranges) == tuple(k_ranges) and has_fused_kernel(device, dtype) \
+            and _causal_in_tensor_order(spec, sb, q_ranges):  # e.g. a ring's own zigzag chunks
+        n = sum(length for _, length in q_ranges)
+        tiles = sb.plans[key] = [Tile(0, n, 0, n, is_causal=True)]
     if tiles is None:
         tiles = []
         for q in coalesce(q_ranges):
