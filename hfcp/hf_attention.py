@@ -27,7 +27,8 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     if query.shape[2] != local or key.shape[2] != local:
         raise ValueError(
             f"hfcp attention got {query.shape[2]} queries / {key.shape[2]} keys but the step layout holds "
-            f"{local} local tokens; was a KV cache or a custom mask used? Call hfcp.unpatch(model) for that"
+            f"{local} local tokens; was a KV cache or a custom mask used (call hfcp.unpatch(model) for that), or "
+            "is a checkpointed layer recomputed after a forward of another sequence length (run backward first)?"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     spec = MaskSpec(bool(causal), sliding_window)

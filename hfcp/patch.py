@@ -12,8 +12,8 @@ from transformers.models.auto import modeling_auto
 from .attention import STRATEGIES, check_heads
 from .collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
-from . import token_hooks
-from .hooks import ShardSequenceHook
+from . import vision_hooks
+from .lm_hooks import ShardSequenceHook
 from .layout import StepBatch
 from .mesh import Mesh, build_mesh
 from .registry import REGISTRY, Patcher, UnsupportedModelError
@@ -32,7 +32,7 @@ class CPState:
     original_attn: str
     settings: tuple
     check_inputs: bool = True
-    loss_chunk: int | None = None
+    loss_chunk: int | str | None = "auto"
     modules: list = field(default_factory=list)
     hooks: list = field(default_factory=list)  # [(module, hook)] attached by patch
     step: StepBatch | None = None
@@ -86,7 +86,7 @@ def _head_kind(model: PreTrainedModel, model_type: str, token_model: bool) -> st
 
 
 def patch(model, cp_size: int | None = None, strategy: str = "ring", process_group=None, timeout=None,
-          check_inputs: bool = True, loss_chunk: int | None = None):
+          check_inputs: bool = True, loss_chunk: int | str | None = "auto"):
     """Make `model` context-parallel in place and return it.
 
     Args:
@@ -96,17 +96,18 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         process_group: an existing group to use as the CP group.
         timeout: seconds or timedelta bounding every collective on the CP group.
         check_inputs: verify each step (one tiny all-gather) that every rank of a CP group got the same batch.
-        loss_chunk: with labels, compute the causal-LM loss this many tokens at a time from the last hidden
-            states, so (tokens x vocab) logits are never materialised (out.logits is then None). None: the
-            model computes its logits as usual and hfcp the loss from them.
+        loss_chunk: how a causal LM's loss is computed when labels are given. An int: this many tokens at a
+            time from the last hidden states, so (tokens x vocab) logits are never materialised (out.logits is
+            then None). None: the model computes its logits as usual and hfcp the loss from them. "auto"
+            (default): 1024-token chunks in training forwards (train mode, grad enabled), logits otherwise.
     Returns:
         The same model object. With one process or cp_size 1 the model is left unchanged.
     Raises:
         UnsupportedModelError: no patcher for config.model_type, or an unsupported head.
         ValueError: unknown strategy, bad cp_size, ulysses with indivisible heads, patched with other settings.
     """
-    if loss_chunk is not None and (not isinstance(loss_chunk, int) or loss_chunk < 1):
-        raise ValueError(f"loss_chunk={loss_chunk!r} must be a positive number of tokens or None")
+    if loss_chunk not in (None, "auto") and (not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool) or loss_chunk < 1):
+        raise ValueError(f"loss_chunk={loss_chunk!r} must be a positive number of tokens, 'auto' or None")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {sorted(STRATEGIES)}")
     inner = find_pretrained(model)
@@ -150,7 +151,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     for m in modules:
         m._hfcp_state = state
     if embeddings is not None:
-        state.hooks = token_hooks.attach(inner, state, embeddings)
+        state.hooks = vision_hooks.attach(inner, state, embeddings)
     else:
         state.hooks = [(inner, ShardSequenceHook(state))]
         add_hook_to_module(inner, state.hooks[0][1], append=True)

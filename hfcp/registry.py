@@ -20,6 +20,8 @@ class Patcher:
         embeddings_classes: token-sequence models (vision/video): the module whose output is the token
             sequence (patch/tubelet embedding + position + CLS); hfcp shards its output. Empty: shard input_ids.
         first_token_pooler: the base model's `pooler` reads token 0 (CLS), so hfcp feeds it the global one.
+        pooler_output_is_first_token: the base model's `pooler_output` is token 0 of its last_hidden_state,
+            taken in forward code (no pooler module); hfcp replaces it with the global token 0.
         unsupported_reason: set for a known model_type that cannot be made exact; lookups raise with it.
     """
 
@@ -30,6 +32,7 @@ class Patcher:
     num_kv_heads_attr: str = "num_key_value_heads"
     embeddings_classes: tuple[str, ...] = ()
     first_token_pooler: bool = False
+    pooler_output_is_first_token: bool = False
     unsupported_reason: str | None = None
 
 

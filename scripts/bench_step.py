@@ -7,6 +7,7 @@ Prints one JSON line from rank 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import threading
@@ -15,18 +16,30 @@ import time
 import torch
 
 
-def return_freed_memory_to_os() -> None:
-    """glibc keeps freed blocks below a threshold that grows with every large free, so RSS stops tracking
-    live tensors after a warm-up step; a fixed 64 KiB mmap threshold makes every large tensor its own
-    mapping, returned on free, so RSS growth over a step is the step's peak of live memory."""
+def _libc():
     import ctypes
     import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+
+
+def fix_mmap_threshold() -> None:
+    """Call at start-up. glibc raises its mmap threshold after every large free, so after a warm-up step large
+    tensors come from the heap and RSS stops tracking live memory; a fixed 64 KiB threshold makes every
+    large tensor its own mapping, returned to the OS when freed."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
+
+
+def trim_heap() -> None:
+    """Give the heap's free memory back to the OS, so the next step's RSS growth starts from live memory."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 class PeakRSS:
@@ -42,7 +55,8 @@ class PeakRSS:
 
     def __enter__(self):
         if self.device.type == "cpu":
-            return_freed_memory_to_os()
+            gc.collect()
+            trim_heap()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -233,6 +247,7 @@ def main():
     ap.add_argument("--chunked-loss", action="store_true", help="cp=1: use hfcp's chunked loss too")
     ap.add_argument("--loss-chunk", type=int, default=1024)
     args = ap.parse_args()
+    fix_mmap_threshold()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     if args.cp > 1:

@@ -68,6 +68,12 @@ def test_unknown_strategy_lists_known_ones():
         hfcp.patch(tiny_model("llama"), strategy="zigzag")
 
 
+@pytest.mark.parametrize("bad", [0, -8, 2.5, "big", True])
+def test_bad_loss_chunk_names_the_value(bad):
+    with pytest.raises(ValueError, match=f"loss_chunk={bad!r} must be a positive number of tokens, 'auto' or None"):
+        hfcp.patch(tiny_model("llama"), loss_chunk=bad)
+
+
 def test_register_patcher_rejects_duplicates():
     with pytest.raises(ValueError, match="already registered.*replace=True"):
         hfcp.register_patcher(hfcp.Patcher(model_type="llama", attention_classes=("LlamaAttention",)))

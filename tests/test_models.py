@@ -83,3 +83,11 @@ def test_chunked_loss_matches_logits_path(pool2, variant):
     r = pool2.run(workers_loss.chunked_vs_logits, case, 8)[0]
     assert r["loss"] < 1e-6 and r["grad"] < 1e-5 and r["same_keys"] and r["logits_none"], r
     assert 0 < r["max_rows_per_head_call"] <= 8, r  # logits of at most one chunk at a time
+
+
+def test_default_loss_chunk_is_chunked_in_training_only(pool2):
+    import workers_loss
+
+    r = pool2.run(workers_loss.auto_default, dict(family="llama", strategy="ring", cp=2, B=2, L=30))[0]
+    assert r["train_logits_none"] and r["loss"] < 1e-6, r
+    assert r["no_grad_logits"] == r["eval_logits"] == (2, 16, 64), r  # local logits: 30 tokens padded to 32, 2 ranks

@@ -20,7 +20,7 @@ def _check(results, head):
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
 @pytest.mark.parametrize("head", ["cls", "base"])
-@pytest.mark.parametrize("family", ["vit", "videomae", "vivit"])  # 17, 12, 9 tokens (17 and 9 padded)
+@pytest.mark.parametrize("family", ["vit", "videomae", "vivit", "dinov2"])  # 17, 12, 9, 17 tokens (17 and 9 padded)
 def test_vision_cp2(pool2, family, head, strategy):
     _check(pool2.run(W.run_case, dict(family=family, head=head, cp=2, strategy=strategy)), head)
 
@@ -30,6 +30,7 @@ def test_vision_cp2(pool2, family, head, strategy):
     dict(family="vit", head="base", strategy="ulysses"),
     dict(family="videomae", head="cls", strategy="allgather", frames=4, config=dict(num_frames=4)),  # 8 tokens
     dict(family="vivit", head="cls", strategy="ring"),
+    dict(family="dinov2", head="base", strategy="ring"),  # pooler_output: the global CLS on every rank
 ])
 def test_vision_cp4(pool4, case):
     _check(pool4.run(W.run_case, {**case, "cp": 4}), case["head"])
@@ -57,3 +58,8 @@ def test_videomae_pretraining_is_refused():
     cfg = transformers.VideoMAEConfig(**{**W.COMMON, "image_size": 16, "patch_size": 8, "num_frames": 4, "tubelet_size": 2})
     with pytest.raises(hfcp.UnsupportedModelError, match="VideoMAEForPreTraining"):
         hfcp.patch(transformers.VideoMAEForPreTraining(cfg))
+
+
+def test_checkpointed_layers_recomputed_after_a_later_forward_stay_exact(pool2):
+    """17 tokens are padded to 18: the padding mask must not depend on the later forward's batch size."""
+    assert max(pool2.run(W.checkpoint_recompute_after_later_forward, 2)) < TOL

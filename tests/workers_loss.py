@@ -1,6 +1,7 @@
 """Chunked loss: same loss and gradients as the logits path, and no (tokens x vocab) logits beyond a chunk."""
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 import hfcp
@@ -34,4 +35,28 @@ def chunked_vs_logits(case: dict, chunk: int):
         "same_keys": g0.keys() == g1.keys(),
         "logits_none": none1 and not none0,
         "max_rows_per_head_call": rows1,
+    }
+
+
+def auto_default(case: dict):
+    """hfcp.patch's default loss_chunk="auto": chunked (no logits) in training forwards, logits otherwise;
+    the same loss either way."""
+    batch = make_batch(case)
+    model = _build(case)
+    hfcp.patch(model, cp_size=case["cp"], strategy=case["strategy"])
+    train = model(**batch)
+    with torch.no_grad():
+        no_grad = model(**batch)
+    model.eval()
+    evaluated = model(**batch)
+    hfcp.unpatch(model)
+    ref = _build(case)
+    hfcp.patch(ref, cp_size=case["cp"], strategy=case["strategy"], loss_chunk=None)
+    ref_loss = ref(**batch).loss
+    hfcp.unpatch(ref)
+    return {
+        "train_logits_none": train.logits is None,
+        "no_grad_logits": tuple(no_grad.logits.shape),
+        "eval_logits": tuple(evaluated.logits.shape),
+        "loss": max(float((x.loss - ref_loss).abs() / ref_loss.abs()) for x in (train, no_grad, evaluated)),
     }

@@ -68,7 +68,7 @@ def _rel(a, b):
 def _build(case, patch_first=False):
     model = tiny_model(case["family"], base=case.get("base", False), **case.get("config", {}))
     if patch_first:  # patch the bare model, then wrap it with PEFT
-        hfcp.patch(model, cp_size=case["cp"], strategy=case["strategy"])
+        hfcp.patch(model, cp_size=case["cp"], strategy=case["strategy"], loss_chunk=None)
     if case.get("lora"):
         from peft import LoraConfig, get_peft_model
 
@@ -123,7 +123,7 @@ def run_case(case: dict):
         model = model.to(torch.bfloat16)
     if case.get("ddp"):
         model = torch.nn.parallel.DistributedDataParallel(model)
-    hfcp.patch(model, cp_size=cp, strategy=case["strategy"])
+    hfcp.patch(model, cp_size=cp, strategy=case["strategy"], loss_chunk=None)  # logits compared too
     losses, gathered = [], []
     for b in [batch, *step_batches]:  # gather_sequence applies to the latest forward's outputs
         out = model(**b)

@@ -19,6 +19,9 @@ def build(family: str, head: str, **over):
         cfg = transformers.VideoMAEConfig(**{**COMMON, "image_size": 16, "patch_size": 8, "num_frames": 6,
                                              "tubelet_size": 2, **over})
         cls = transformers.VideoMAEForVideoClassification if head == "cls" else transformers.VideoMAEModel
+    elif family == "dinov2":  # 16 patches + CLS = 17 tokens
+        cfg = transformers.Dinov2Config(**{**COMMON, "image_size": 32, "patch_size": 8, "mlp_ratio": 2, **over})
+        cls = transformers.Dinov2ForImageClassification if head == "cls" else transformers.Dinov2Model
     else:
         cfg = transformers.VivitConfig(**{**COMMON, "image_size": 16, "num_frames": 4, "tubelet_size": [2, 8, 8],
                                           "hidden_dropout_prob": 0.0, **over})
@@ -30,7 +33,7 @@ def build(family: str, head: str, **over):
 
 def pixels(family: str, batch: int, size: int | None, frames: int | None):
     g = torch.Generator().manual_seed(5)
-    if family == "vit":
+    if family in ("vit", "dinov2"):
         return torch.randn(batch, 3, size or 32, size or 32, generator=g)
     return torch.randn(batch, frames or (6 if family == "videomae" else 4), 3, 16, 16, generator=g)
 
@@ -102,3 +105,28 @@ def run_case(case: dict):
     errs["n_ref_grads"] = len(ref_grads)
     hfcp.unpatch(model)
     return errs
+
+
+def checkpoint_recompute_after_later_forward(cp: int):
+    """Gradient-checkpointed ViT: forward A (2 images), forward B (3 images), then backward A only. The layers
+    of A are recomputed after B's forward; A's gradients must still be exact."""
+    px_a, px_b = pixels("vit", 2, None, None), pixels("vit", 3, None, None) * 0.5
+    labels_a, labels_b = torch.tensor([0, 2]), torch.tensor([1, 0, 2])
+    ref = build("vit", "cls")
+    ref.gradient_checkpointing_enable()
+    ref(px_a, labels=labels_a).loss.backward()
+    model = build("vit", "cls")
+    model.gradient_checkpointing_enable()
+    hfcp.patch(model, cp_size=cp, strategy="ring")
+    loss_a = model(px_a, labels=labels_a).loss
+    model(px_b, labels=labels_b)  # a later forward, never backpropagated
+    loss_a.backward()
+    group = hfcp.cp_state(model).mesh.cp_group
+    worst = 0.0
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        floor = 1e-4 * max(float(q.grad.abs().max()) for q in ref.parameters())
+        worst = max(worst, float((g / cp - rp.grad).abs().max()) / max(float(rp.grad.abs().max()), floor))
+    hfcp.unpatch(model)
+    return worst

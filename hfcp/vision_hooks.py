@@ -1,18 +1,18 @@
-"""Hooks for token-sequence models (ViT, VideoMAE, ViViT): shard right after the embeddings, and give
+"""Hooks for token-sequence models (ViT, VideoMAE, ViViT, DINOv2): shard right after the embeddings, and give
 heads exactly what they see on one device.
 
 - the embeddings module's output (B, N, H) is padded to a multiple of cp, split contiguously, and its
   padding masked as keys (bidirectional attention needs no load balancing);
 - a classification model: its base model's sequence output is gathered (autograd all-gather, padding
   stripped) before the head, so CLS / mean pooling, logits and loss are whole and identical on every rank;
-- a base model: last_hidden_state stays local; a first-token pooler is fed the global CLS token.
+- a base model: last_hidden_state stays local; pooler_output is computed from the global CLS token.
 """
 from __future__ import annotations
 
 from accelerate.hooks import ModelHook, add_hook_to_module
 
 from .checks import check_same_batch
-from .hooks import as_kwargs
+from .lm_hooks import as_kwargs
 from .collectives import all_gather
 from .layout import Layout, build_step_batch, pad_to
 
@@ -25,9 +25,14 @@ class ShardEmbeddingsHook(ModelHook):
 
     def post_forward(self, module, output):
         st = self.state
-        B, N = output.shape[:2]
+        N = output.shape[1]
         layout = Layout(N, st.mesh.cp_size, zigzag=False)
-        st.step = build_step_batch(layout, st.mesh.cp_rank, B, None, None, output.device)
+        kv = st.step.key_valid if st.step is not None else None
+        if st.step is None or st.step.layout != layout or (kv is not None and kv.device != output.device):
+            # one row for the whole batch: the only mask is the layout's padding, the same for every image, so
+            # the step depends on N alone and a checkpointed layer recomputed after a later forward of another
+            # batch with the same N sees exactly its own step (block plans are reused too)
+            st.step = build_step_batch(layout, st.mesh.cp_rank, 1, None, None, output.device)
         idx = st.step.local_index.to(output.device)
         return pad_to(output, layout.padded_len, 1, 0.0).index_select(1, idx)  # (B, N_pad/cp, H)
 
@@ -54,13 +59,17 @@ class CheckPixelsHook(ModelHook):
 
     def post_forward(self, module, output):
         st = self.state
-        if st.head == "base" and st.patcher.first_token_pooler and getattr(module, "pooler", None) is not None:
-            hidden = output["last_hidden_state"] if not isinstance(output, tuple) else output[0]
-            firsts = all_gather(hidden[:, :1], st.mesh.cp_group, dim=1)  # (B, cp, H): [:, 0] is the global CLS
-            pooled = module.pooler(firsts)
-            if isinstance(output, tuple):
-                return (output[0], pooled, *output[2:])
-            output["pooler_output"] = pooled
+        if st.head != "base":
+            return output
+        with_module = st.patcher.first_token_pooler and getattr(module, "pooler", None) is not None
+        if not (with_module or st.patcher.pooler_output_is_first_token):
+            return output
+        hidden = output["last_hidden_state"] if not isinstance(output, tuple) else output[0]
+        firsts = all_gather(hidden[:, :1], st.mesh.cp_group, dim=1)  # (B, cp, H): [:, 0] is the global CLS
+        pooled = module.pooler(firsts) if with_module else firsts[:, 0]
+        if isinstance(output, tuple):
+            return (output[0], pooled, *output[2:])
+        output["pooler_output"] = pooled
         return output
 
 

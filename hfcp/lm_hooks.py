@@ -1,4 +1,4 @@
-"""accelerate ModelHook that shards the full batch along the sequence and reduces the loss."""
+"""accelerate ModelHook for causal LMs and base models: shard the full batch along the sequence, reduce the loss."""
 from __future__ import annotations
 
 import inspect
@@ -35,6 +35,17 @@ def step_token(sb, device) -> torch.Tensor:
     return token
 
 
+DEFAULT_LOSS_CHUNK = 1024
+
+
+def loss_chunk_for(setting, training: bool) -> int | None:
+    """The loss chunk of one forward with labels: "auto" chunks (1024 tokens) in training forwards (module in
+    train mode, grad enabled) and returns logits otherwise; an int always chunks; None never does."""
+    if setting == "auto":
+        return DEFAULT_LOSS_CHUNK if training else None
+    return setting
+
+
 class ShardSequenceHook(ModelHook):
     """pre_forward: full batch -> per-step layout + local input_ids/inputs_embeds/position_ids, shifted
     local labels kept aside; post_forward: loss = global token-weighted mean, equal on every rank."""
@@ -42,6 +53,7 @@ class ShardSequenceHook(ModelHook):
     def __init__(self, state):
         self.state = state
         self._restore_head = None
+        self._chunk = None  # tokens per loss chunk in this forward, or None: loss from the logits
 
     def pre_forward(self, module, *args, **kwargs):
         st = self.state
@@ -86,7 +98,8 @@ class ShardSequenceHook(ModelHook):
             shifted = shift_labels(labels)
             st.denominator = num_items if num_items is not None else (shifted != IGNORE_INDEX).sum()
             st.targets = pad_to(shifted, P, 1, IGNORE_INDEX).index_select(1, idx.to(labels.device))
-            if st.loss_chunk:
+            self._chunk = loss_chunk_for(st.loss_chunk, module.training and torch.is_grad_enabled())
+            if self._chunk:
                 self._chunk_head(module)
         return (), kw
 
@@ -95,11 +108,11 @@ class ShardSequenceHook(ModelHook):
         st = self.state
         head = module.get_output_embeddings()
         original = head.forward
-        targets = st.targets
+        targets, chunk = st.targets, self._chunk
 
         def loss_instead_of_logits(hidden, *args, **kwargs):
             head.forward = original  # one call only, and chunks call the real head
-            st.loss_sum = chunked_ce_sum(hidden, targets, head, st.loss_chunk)
+            st.loss_sum = chunked_ce_sum(hidden, targets, head, chunk)
             return hidden.new_zeros(*hidden.shape[:-1], 0)  # (B, L/cp, 0): no logits materialised
 
         head.forward = loss_instead_of_logits
@@ -114,7 +127,8 @@ class ShardSequenceHook(ModelHook):
         st = self.state
         if st.targets is None:
             return output
-        if st.loss_chunk:
+        chunked = self._chunk
+        if chunked:
             self._restore_pending_head()
             if st.loss_sum is None:
                 raise RuntimeError(f"{type(module).__name__} did not call its output head; use loss_chunk=None")
@@ -124,8 +138,8 @@ class ShardSequenceHook(ModelHook):
         loss = global_mean(local_sum, st.denominator, st.mesh.cp_group)
         st.targets = st.denominator = None
         if isinstance(output, tuple):  # with loss_chunk the (B, L/cp, 0) stand-in logits become None
-            return (loss, None, *output[1:]) if st.loss_chunk else (loss, *output)
+            return (loss, None, *output[1:]) if chunked else (loss, *output)
         fields = {k: v for k, v in output.items() if k != "loss"}
-        if st.loss_chunk:
+        if chunked:
             fields["logits"] = None  # never materialised; pass loss_chunk=None to hfcp.patch to get them
         return type(output)(loss=loss, **fields)
