@@ -127,20 +127,28 @@ def _all_to_all_packed(pieces: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 
 def all_to_all_heads(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """Each (B, H_i, Lc, D) -> (B, H_i/size, size*Lc, D): head group j goes to rank j, and the received sequence
-    slices are concatenated in rank order. One collective for all tensors (no autograd)."""
+    """Each (B, H_i, Lc, D) -> (B, H_i/size, size*Lc, D) over (B, L, H, D) memory: head group j goes to rank j,
+    and the received sequence slices are concatenated in rank order. One collective for all (no autograd)."""
     size = group_size(group)
     pieces = [t.reshape(t.shape[0], size, t.shape[1] // size, *t.shape[2:]).transpose(0, 1) for t in tensors]
     out = _all_to_all_packed(pieces, group)  # each (size, B, H/size, Lc, D), slice j from rank j
-    return [o.permute(1, 2, 0, 3, 4).reshape(o.shape[1], o.shape[2], -1, o.shape[4]) for o in out]
+    return [o.permute(1, 0, 3, 2, 4).reshape(o.shape[1], -1, o.shape[2], o.shape[4]).transpose(1, 2) for o in out]
 
 
 def all_to_all_sequence(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """The inverse of all_to_all_heads: each (B, H_i/size, size*Lc, D) -> (B, H_i, Lc, D)."""
+    """The inverse of all_to_all_heads: each (B, H_i/size, size*Lc, D) -> (B, H_i, Lc, D) over (B, L, H, D) memory."""
     size = group_size(group)
     pieces = [t.reshape(t.shape[0], t.shape[1], size, -1, t.shape[3]).permute(2, 0, 1, 3, 4) for t in tensors]
     out = _all_to_all_packed(pieces, group)  # each (size, B, H/size, Lc, D), slice j = rank j's head group
-    return [o.transpose(0, 1).reshape(o.shape[1], -1, *o.shape[3:]) for o in out]
+    return [o.permute(1, 3, 0, 2, 4).reshape(o.shape[1], o.shape[3], -1, o.shape[4]).transpose(1, 2) for o in out]
+
+
+def wire_view(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(a contiguous tensor over t's memory to send, whether it is t.transpose(1, 2)): (B, L, H, D) memory
+    viewed as (B, H, L, D) travels as it lies and the receiver transposes back; other layouts are copied."""
+    if not t.is_contiguous() and t.dim() == 4 and t.transpose(1, 2).is_contiguous():
+        return t.transpose(1, 2), True
+    return t.contiguous(), False
 
 
 class RingComm:
@@ -162,20 +170,20 @@ class RingComm:
         """Start sending `tensors` to the next rank and receiving same-shaped ones from the previous rank."""
         if self._pending is not None:
             raise RuntimeError("RingComm.exchange called while a previous exchange is in flight; call wait() first")
-        sends = [t.contiguous() for t in tensors]
+        sends, transposed = zip(*(wire_view(t) for t in tensors))  # no copy of (B, L, H, D) memory
         recvs = [torch.empty_like(t) for t in sends]
         ops = [dist.P2POp(dist.isend, t, self.send_to, self.group, self.tag) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.recv_from, self.group, self.tag) for t in recvs]
         with guarded("ring exchange", self.group):
-            self._pending = (dist.batch_isend_irecv(ops), recvs, sends)
+            self._pending = (dist.batch_isend_irecv(ops), recvs, sends, transposed)
 
     def wait(self) -> list[torch.Tensor]:
         """Finish the exchange in flight; returns the received tensors. Raises CollectiveError on failure."""
         if self._pending is None:
             raise RuntimeError("RingComm.wait called with no exchange in flight")
-        works, recvs, _ = self._pending
+        works, recvs, _, transposed = self._pending
         self._pending = None
         with guarded(f"ring exchange (send to rank {self.send_to}, receive from rank {self.recv_from})", self.group):
             for w in works:
                 w.wait()
-        return recvs
+        return [r.transpose(1, 2) if flip else r for r, flip in zip(recvs, transposed)]

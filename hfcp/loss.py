@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .collectives import all_reduce_sum
-
-IGNORE_INDEX = -100
+from .linear_ce import IGNORE_INDEX, chunk_starts, linear_cross_entropy_sum
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -44,17 +43,20 @@ def _chunk_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head) -> torch.Te
 
 def chunked_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int) -> torch.Tensor:
     """sum of CE(head(hidden), targets) over valid tokens, `chunk` tokens at a time: the (tokens x vocab)
-    logits of a chunk exist only inside it, and backward recomputes them (activation checkpointing).
+    logits of a chunk exist only inside it.
+
+    A plain nn.Linear head takes the fused path (linear_ce: gradients taken in forward, nothing recomputed);
+    any other head (a PEFT-wrapped lm_head, say) is called per chunk under activation checkpointing, so
+    backward recomputes its logits.
 
     hidden (B, L, H), targets (B, L) -> scalar fp32 (0 when no target is valid, never NaN).
     """
+    if type(head) is torch.nn.Linear:
+        return linear_cross_entropy_sum(hidden, targets, head, chunk)
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(hidden.device)
-    starts = [s for s in range(0, t.numel(), chunk) if bool((t[s : s + chunk] != IGNORE_INDEX).any())]
-    # a rank with no valid target still runs one (all-ignored, zero) chunk: the head's parameters and the
-    # hidden states stay in the graph, so the backward all-reduce and DDP's gradient hooks fire on every rank
     total = None
-    for start in starts or [0]:
+    for start in chunk_starts(t, chunk):
         part = checkpoint(_chunk_ce_sum, h[start : start + chunk], t[start : start + chunk], head, use_reentrant=False)
         total = part if total is None else total + part
     return total

@@ -82,7 +82,7 @@ def test_chunked_loss_matches_logits_path(pool2, variant):
     case = {**dict(family="llama", strategy="ring", cp=2, B=2, L=61), **variant}
     r = pool2.run(workers_loss.chunked_vs_logits, case, 8)[0]
     assert r["loss"] < 1e-6 and r["grad"] < 1e-5 and r["same_keys"] and r["logits_none"], r
-    assert 0 < r["max_rows_per_head_call"] <= 8, r  # logits of at most one chunk at a time
+    assert 0 < r["max_logit_rows"] <= 8 < r["max_logit_rows_unchunked"], r  # at most one chunk's logits at a time
 
 
 def test_default_loss_chunk_is_chunked_in_training_only(pool2):

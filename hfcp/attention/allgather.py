@@ -10,10 +10,9 @@ from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
 
 
-def _gather_kv(k, v, group):
-    kv = all_gather_no_grad(torch.stack([k, v]), group, dim=3)  # (2, B, Hkv, L, D) in rank order
-    return kv[0], kv[1]
-
+def _gather_kv(k, v, group):  # gathered in (B, L, Hkv, D) memory, the layout the kernels prefer (see kernels)
+    kv = all_gather_no_grad(torch.stack([k.transpose(1, 2), v.transpose(1, 2)]), group, dim=2)  # (2, B, L, Hkv, D)
+    return kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (B, Hkv, L, D) views, rank order
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -40,8 +39,9 @@ class AllGatherAttention(torch.autograd.Function):
         dk_all = torch.zeros_like(k_all, dtype=torch.float32)
         dv_all = torch.zeros_like(v_all, dtype=torch.float32)
         backward_tiles(dout.contiguous(), q, k_all, v_all, out, lse, tiles, scale, dq, dk_all, dv_all)
-        dkv = reduce_scatter_sum(torch.stack([dk_all, dv_all]), group, dim=3)  # (2, B, Hkv, L/cp, D)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dkv = reduce_scatter_sum(torch.stack([dk_all.transpose(1, 2), dv_all.transpose(1, 2)]), group, dim=2)
+        dk, dv = (g.transpose(1, 2).to(t.dtype) for g, t in ((dkv[0], k), (dkv[1], v)))  # (B, Hkv, L/cp, D)
+        return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
 def allgather_attention(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group) -> torch.Tensor:

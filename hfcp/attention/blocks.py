@@ -185,6 +185,6 @@ def backward_tiles(dout, q, k, v, out, lse, tiles: list[Tile], scale: float, dq,
 
 
 def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty (out, lse) accumulators for q (B, H, Lq, D)."""
-    b, h, lq, d = q.shape
-    return q.new_zeros(b, h, lq, d, dtype=torch.float32), q.new_full((b, h, lq), NEG_INF, dtype=torch.float32)
+    """Empty (out, lse) accumulators for q (B, H, Lq, D); out keeps q's memory layout (see kernels)."""
+    b, h, lq, _ = q.shape
+    return torch.zeros_like(q, dtype=torch.float32), q.new_full((b, h, lq), NEG_INF, dtype=torch.float32)

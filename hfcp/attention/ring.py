@@ -71,7 +71,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
         return dq, dk, dv, None, None, None, None
 
 

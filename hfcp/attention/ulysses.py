@@ -25,6 +25,11 @@ def _natural_order(sb: StepBatch, device) -> tuple[torch.Tensor, torch.Tensor]:
     return order, torch.argsort(order)
 
 
+def natural(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (B, H, L, D) reordered along L by `index`, in (B, L, H, D) memory (the kernels' preferred layout)."""
+    return x.transpose(1, 2).index_select(1, index).transpose(1, 2)
+
+
 class UlyssesAttention(torch.autograd.Function):
     """After the all-to-all every rank holds the whole sequence for its heads; it is put in natural (global)
     order first, so a plain causal mask is a single kernel call instead of merged zigzag blocks."""
@@ -34,7 +39,7 @@ class UlyssesAttention(torch.autograd.Function):
         cp = group_size(group)
         check_heads(q.shape[1], k.shape[1], cp)
         order, inverse = _natural_order(sb, q.device)
-        qn, kn, vn = (t.index_select(2, inverse) for t in all_to_all_heads([q, k, v], group))  # (B, H/cp, L, D) natural
+        qn, kn, vn = (natural(t, inverse) for t in all_to_all_heads([q, k, v], group))  # (B, H/cp, L, D) natural
         whole = [(0, sb.layout.padded_len)]
         tiles = plan_tiles(spec, sb, whole, whole, q.dtype, q.device)
         out_n, lse_n = new_accumulators(qn)
@@ -42,7 +47,7 @@ class UlyssesAttention(torch.autograd.Function):
         out_n = out_n.to(q.dtype)
         ctx.save_for_backward(qn, kn, vn, out_n, lse_n, order, inverse)
         ctx.args = (sb, spec, scale, group)
-        return all_to_all_sequence([out_n.index_select(2, order)], group)[0]
+        return all_to_all_sequence([natural(out_n, order)], group)[0]
 
     @staticmethod
     def backward(ctx, dout):
@@ -51,9 +56,9 @@ class UlyssesAttention(torch.autograd.Function):
         whole = [(0, sb.layout.padded_len)]
         tiles = plan_tiles(spec, sb, whole, whole, qn.dtype, qn.device)
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (qn, kn, vn))
-        dout_n = all_to_all_heads([dout], group)[0].index_select(2, inverse)
+        dout_n = natural(all_to_all_heads([dout], group)[0], inverse)
         backward_tiles(dout_n, qn, kn, vn, out_n, lse_n, tiles, scale, dq, dk, dv)
-        grads = all_to_all_sequence([g.to(t.dtype).index_select(2, order) for g, t in ((dq, qn), (dk, kn), (dv, vn))], group)
+        grads = all_to_all_sequence([natural(g.to(t.dtype), order) for g, t in ((dq, qn), (dk, kn), (dv, vn))], group)
         return (*grads, None, None, None, None)
 
 

@@ -1,0 +1,71 @@
+"""Cross-entropy of a linear head, chunk by chunk, with its gradients computed in the forward pass.
+
+The loss is the last op before backward and is linear in its upstream gradient (a scalar), so the gradients
+of each chunk's (tokens x vocab) logits can be taken while the chunk is in memory and kept only as the much
+smaller dL/dhidden (tokens x hidden) and, when the head trains, dL/dweight. Backward then only scales them:
+no logits are recomputed, and none outlive their chunk.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def chunk_starts(targets: torch.Tensor, chunk: int) -> list[int]:
+    """Starts of the chunks holding at least one valid target; [0] when none does (the one zero chunk keeps
+    every rank's graph the same, so collectives and DDP hooks fire everywhere)."""
+    starts = [s for s in range(0, targets.numel(), chunk) if bool((targets[s : s + chunk] != IGNORE_INDEX).any())]
+    return starts or [0]
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum over valid tokens of CE(hidden @ weight.T + bias, targets); hidden (N, H), targets (N,) -> fp32 scalar."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        for start in chunk_starts(targets, chunk):
+            h, t = hidden[start : start + chunk], targets[start : start + chunk]
+            logits = F.linear(h, weight, bias).float()  # (n, V), as the model's head computes them
+            valid = t != IGNORE_INDEX
+            index = t.clamp_min(0)[:, None]
+            lse = torch.logsumexp(logits, dim=-1)  # (n,)
+            total += ((lse - logits.gather(1, index)[:, 0]) * valid).sum()
+            if not (need_h or need_w or need_b):
+                continue
+            dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in place: (n, V)
+            dlogits.scatter_add_(1, index, -valid[:, None].float())  # minus the one-hot target
+            dlogits.mul_(valid[:, None])  # ignored tokens get no gradient
+            g = dlogits.to(hidden.dtype)
+            if need_h:
+                grad_h[start : start + chunk] = g @ weight  # (n, H)
+            if need_w:
+                grad_w += (g.t() @ h).float()  # (V, H)
+            if need_b:
+                grad_b += dlogits.sum(0)
+        ctx.grads = (grad_h, grad_w, grad_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grads, ctx.grads = ctx.grads, None
+        scaled = [None if g is None else (g * grad_total).to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
+        return (*scaled, None, None)
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Linear, chunk: int) -> torch.Tensor:
+    """sum of CE(head(hidden), targets) over valid tokens, `chunk` tokens at a time, gradients taken in forward.
+
+    hidden (B, L, H), targets (B, L) with IGNORE_INDEX for no target -> fp32 scalar (0 when none is valid).
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).to(hidden.device)
+    return LinearCrossEntropy.apply(h, head.weight, head.bias, t, chunk)

@@ -1,0 +1,57 @@
+"""The chunked causal-LM loss in one process: fused linear cross-entropy and the checkpointed fallback against
+F.cross_entropy on full logits (values and every gradient)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hfcp.loss import IGNORE_INDEX, chunked_ce_sum
+
+
+class ScaledHead(torch.nn.Module):
+    """Not a plain nn.Linear (as a PEFT-wrapped lm_head is not): takes the checkpointed path."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return self.linear(x) * 1.5
+
+
+def _case(bias, head_trains, wrap):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 50, bias=bias)
+    linear.requires_grad_(head_trains)
+    head = ScaledHead(linear) if wrap else linear
+    hidden = torch.randn(2, 13, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 13))
+    targets[0, :6] = IGNORE_INDEX
+    return head, hidden, targets
+
+
+def _run(loss_fn, head, hidden, targets):
+    hidden.grad = None
+    head.zero_grad()
+    loss = loss_fn(head, hidden, targets)
+    (loss * 0.37).backward()  # a non-unit upstream gradient, as the global mean gives
+    grads = [hidden.grad.clone()] + [p.grad.clone() for p in head.parameters() if p.requires_grad]
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["fused", "checkpointed"])
+@pytest.mark.parametrize("bias,head_trains", [(False, False), (True, True), (False, True)])
+def test_chunked_loss_equals_full_logits(bias, head_trains, wrap):
+    head, hidden, targets = _case(bias, head_trains, wrap)
+    full = lambda h, x, t: F.cross_entropy(h(x).reshape(-1, 50), t.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")  # noqa: E731
+    ref_loss, ref_grads = _run(full, head, hidden, targets)
+    loss, grads = _run(lambda h, x, t: chunked_ce_sum(x, t, h, 5), head, hidden, targets)
+    assert abs(float(loss - ref_loss)) <= 1e-6 * abs(float(ref_loss))
+    assert len(grads) == len(ref_grads) == 1 + head_trains * (1 + bias)
+    for g, r in zip(grads, ref_grads):
+        assert float((g - r).abs().max()) <= 1e-6 * float(r.abs().max()), (g - r).abs().max()
+
+
+def test_no_valid_target_gives_zero_loss_and_zero_grads():
+    head, hidden, targets = _case(False, True, False)
+    loss, grads = _run(lambda h, x, t: chunked_ce_sum(x, t, h, 5), head, hidden, torch.full_like(targets, IGNORE_INDEX))
+    assert float(loss) == 0.0 and all(float(g.abs().max()) == 0.0 for g in grads)
