@@ -6,7 +6,9 @@
 
 cp = 1 is the unpatched model in one process with as many threads as the cp run has processes; cp > 1
 runs under torchrun with one thread per process. Each measurement is its own process (scripts/bench_step.py).
-Writes runs/bench/bench.json, memory/time PNGs, and prints a table with ratios to cp = 1.
+Writes runs/bench/bench.json, memory/time PNGs, and prints a table with ratios to cp = 1. Each result also
+records cpu_s, the step's process CPU time (largest rank): steadier than wall time on a shared machine, for
+A/B comparisons of the same configuration (it excludes time spent waiting on peers).
 """
 from __future__ import annotations
 
@@ -112,7 +114,7 @@ def fmt(r):
         return f"L={r['seq_len']:>6} cp={r['cp']} {r['strategy']:<9} ERROR {r['error']}"
     tag = " (no comm)" if r.get("no_comm") else ""
     return (f"L={r['seq_len']:>6} cp={r['cp']} {r['strategy']:<9}{tag:<10} time {r['time_s']:8.3f} s  "
-            f"peak {r['peak_mem_mb']:9.1f} MB  loss {r['loss']:.6f}")
+            f"cpu {r.get('cpu_s', 0.0):8.3f} s  peak {r['peak_mem_mb']:9.1f} MB  loss {r['loss']:.6f}")
 
 
 def table(results):
