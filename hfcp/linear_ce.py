@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 IGNORE_INDEX = -100
 
@@ -20,13 +21,22 @@ def chunk_starts(targets: torch.Tensor, chunk: int) -> list[int]:
     return starts or [0]
 
 
+def check_targets(targets: torch.Tensor, vocab: int) -> None:
+    """Raises ValueError for a target outside [0, vocab) that is not IGNORE_INDEX (F.cross_entropy raises too)."""
+    bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"label {int(targets[bad][0])} is outside the vocabulary [0, {vocab}) and is not "
+                         f"{IGNORE_INDEX} (ignored); fix the labels")
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """sum over valid tokens of CE(hidden @ weight.T + bias, targets); hidden (N, H), targets (N,) -> fp32 scalar."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk):
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = bias is not None and ctx.needs_input_grad[2]
+    def forward(ctx, hidden, weight, bias, targets, chunk, grad_enabled):
+        grad = grad_enabled  # the caller's grad mode (off inside forward): under no_grad, skip the gradients
+        need_h, need_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
+        need_b = grad and bias is not None and ctx.needs_input_grad[2]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
@@ -55,10 +65,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_total):
-        grads, ctx.grads = ctx.grads, None
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError("the chunked loss's gradients were already used: backward through it only once")
+        ctx.grads = None
         scaled = [None if g is None else (g * grad_total).to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
-        return (*scaled, None, None)
+        return (*scaled, None, None, None)
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Linear, chunk: int) -> torch.Tensor:
@@ -68,4 +82,5 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, targets: torch.Tensor, head: 
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(hidden.device)
-    return LinearCrossEntropy.apply(h, head.weight, head.bias, t, chunk)
+    check_targets(t, head.weight.shape[0])
+    return LinearCrossEntropy.apply(h, head.weight, head.bias, t, chunk, torch.is_grad_enabled())

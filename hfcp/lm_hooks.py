@@ -57,7 +57,8 @@ class ShardSequenceHook(ModelHook):
 
     def pre_forward(self, module, *args, **kwargs):
         st = self.state
-        self._restore_pending_head()  # a forward that raised may have left the head swapped
+        self.restore_pending_head()  # a forward that raised may have left the head swapped
+        st.loss_sum = None
         kw = as_kwargs(module, args, kwargs)
         if kw.get("cache") is not None or kw.get("past_key_values") is not None or kw.get("use_cache"):
             raise ValueError(
@@ -118,7 +119,7 @@ class ShardSequenceHook(ModelHook):
         head.forward = loss_instead_of_logits
         self._restore_head = lambda: setattr(head, "forward", original)
 
-    def _restore_pending_head(self):
+    def restore_pending_head(self):
         if self._restore_head is not None:
             self._restore_head()
             self._restore_head = None
@@ -129,7 +130,7 @@ class ShardSequenceHook(ModelHook):
             return output
         chunked = self._chunk
         if chunked:
-            self._restore_pending_head()
+            self.restore_pending_head()
             if st.loss_sum is None:
                 raise RuntimeError(f"{type(module).__name__} did not call its output head; use loss_chunk=None")
             local_sum, st.loss_sum = st.loss_sum, None

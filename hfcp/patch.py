@@ -167,6 +167,8 @@ def unpatch(model):
     if state is None:
         return model
     for module, ours in state.hooks:
+        if hasattr(ours, "restore_pending_head"):  # a chunked forward that raised may have left the head swapped
+            ours.restore_pending_head()
         _remove_hook(module, ours)
     inner.set_attn_implementation(state.original_attn)
     for m in state.modules:

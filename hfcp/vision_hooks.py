@@ -9,6 +9,8 @@ heads exactly what they see on one device.
 """
 from __future__ import annotations
 
+import weakref
+
 from accelerate.hooks import ModelHook, add_hook_to_module
 
 from .checks import check_same_batch
@@ -20,8 +22,21 @@ from .layout import Layout, build_step_batch, pad_to
 class ShardEmbeddingsHook(ModelHook):
     """On the embeddings module: its (B, N, H) output -> this rank's (B, N_pad/cp, H) slice, and the step layout."""
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, state, model):
+        self.state, self.model = state, model
+        self._last = None  # weakref to the previous forward's sharded output: alive while its graph is
+
+    def _refuse_if_recompute_would_see_this_layout(self, N: int) -> None:
+        last = self._last() if self._last is not None else None
+        if last is None or not last.requires_grad:
+            return
+        if any(getattr(m, "gradient_checkpointing", False) for m in self.model.modules()):
+            raise ValueError(
+                f"a forward with {N} tokens while the graph of the previous forward ({self.state.step.layout.seq_len} "
+                "tokens) is still alive under gradient checkpointing: its layers would be recomputed in backward "
+                "with this forward's layout. Run backward (or drop the previous outputs) before a forward with "
+                "another token count, or disable gradient checkpointing"
+            )
 
     def post_forward(self, module, output):
         st = self.state
@@ -29,12 +44,16 @@ class ShardEmbeddingsHook(ModelHook):
         layout = Layout(N, st.mesh.cp_size, zigzag=False)
         kv = st.step.key_valid if st.step is not None else None
         if st.step is None or st.step.layout != layout or (kv is not None and kv.device != output.device):
+            if st.step is not None and st.step.layout != layout:
+                self._refuse_if_recompute_would_see_this_layout(N)
             # one row for the whole batch: the only mask is the layout's padding, the same for every image, so
             # the step depends on N alone and a checkpointed layer recomputed after a later forward of another
             # batch with the same N sees exactly its own step (block plans are reused too)
             st.step = build_step_batch(layout, st.mesh.cp_rank, 1, None, None, output.device)
         idx = st.step.local_index.to(output.device)
-        return pad_to(output, layout.padded_len, 1, 0.0).index_select(1, idx)  # (B, N_pad/cp, H)
+        local = pad_to(output, layout.padded_len, 1, 0.0).index_select(1, idx)  # (B, N_pad/cp, H)
+        self._last = weakref.ref(local)
+        return local
 
 
 class CheckPixelsHook(ModelHook):
@@ -93,7 +112,7 @@ class GatherForHeadHook(ModelHook):
 
 def attach(inner, state, embeddings) -> list:
     """Attach the token hooks; returns [(module, hook)] for unpatch."""
-    hooks = [(embeddings, ShardEmbeddingsHook(state)), (inner, CheckPixelsHook(state))]
+    hooks = [(embeddings, ShardEmbeddingsHook(state, inner)), (inner, CheckPixelsHook(state))]
     if state.head == "classification":
         hooks.append((inner.base_model, GatherForHeadHook(state)))
     for module, hook in hooks:

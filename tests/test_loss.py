@@ -55,3 +55,20 @@ def test_no_valid_target_gives_zero_loss_and_zero_grads():
     head, hidden, targets = _case(False, True, False)
     loss, grads = _run(lambda h, x, t: chunked_ce_sum(x, t, h, 5), head, hidden, torch.full_like(targets, IGNORE_INDEX))
     assert float(loss) == 0.0 and all(float(g.abs().max()) == 0.0 for g in grads)
+
+
+def test_label_outside_the_vocabulary_is_refused():
+    head, hidden, targets = _case(False, False, False)
+    targets[1, 3] = -1
+    with pytest.raises(ValueError, match="label -1 is outside the vocabulary"):
+        chunked_ce_sum(hidden, targets, head, 5)
+
+
+def test_no_grad_gives_the_same_loss_and_second_backward_is_refused():
+    head, hidden, targets = _case(False, True, False)
+    loss = chunked_ce_sum(hidden, targets, head, 5)
+    with torch.no_grad():
+        assert torch.equal(chunked_ce_sum(hidden, targets, head, 5), loss.detach())
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward through it only once"):
+        loss.backward()

@@ -87,3 +87,8 @@ def test_failed_forward_does_not_leave_the_head_swapped(pool2):
 def test_average_gradients_helper(pool2):
     for err in pool2.run(W.average_gradients_matches_single_device):
         assert err < 1e-5
+
+
+def test_unpatch_after_a_failed_chunked_forward_restores_the_head(pool2):
+    for r in pool2.run(W.unpatch_after_a_failed_forward):
+        assert r["logits_shape"] == (2, 16, 64) and r["loss"] > 0, r

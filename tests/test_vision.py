@@ -63,3 +63,8 @@ def test_videomae_pretraining_is_refused():
 def test_checkpointed_layers_recomputed_after_a_later_forward_stay_exact(pool2):
     """17 tokens are padded to 18: the padding mask must not depend on the later forward's batch size."""
     assert max(pool2.run(W.checkpoint_recompute_after_later_forward, 2)) < TOL
+
+
+def test_forward_of_another_token_count_while_a_checkpointed_graph_is_alive_is_refused(pool2):
+    for refused in pool2.run(W.checkpoint_with_other_token_counts, 2):
+        assert "still alive under gradient checkpointing" in refused, refused

@@ -167,3 +167,21 @@ def average_gradients_matches_single_device():
     hfcp.average_gradients(model)
     return max(float((p.grad - r.grad).abs().max() / r.grad.abs().max())
                for p, r in zip(model.parameters(), ref.parameters()))
+
+
+def unpatch_after_a_failed_forward():
+    """A chunked forward that raises before the head runs, then unpatch: the plain model must be whole again."""
+    model = hfcp.patch(tiny_model("llama"), loss_chunk=4)
+    attn = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+    for m in attn:
+        m.attention_dropout = 0.1  # refused by hfcp's attention, before the output head is reached
+    batch = make_batch(dict(B=2, L=16))
+    try:
+        model(**batch)
+    except ValueError:
+        pass
+    for m in attn:
+        m.attention_dropout = 0.0
+    hfcp.unpatch(model)
+    out = model(**batch, use_cache=False)
+    return {"logits_shape": tuple(out.logits.shape), "loss": float(out.loss)}

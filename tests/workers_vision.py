@@ -130,3 +130,26 @@ def checkpoint_recompute_after_later_forward(cp: int):
         worst = max(worst, float((g / cp - rp.grad).abs().max()) / max(float(rp.grad.abs().max()), floor))
     hfcp.unpatch(model)
     return worst
+
+
+def checkpoint_with_other_token_counts(cp: int):
+    """Gradient checkpointing, two image sizes whose token counts pad to the same local length (17 and 18 tokens
+    at cp=2 both give 9 per rank): a forward of the other size while the first graph is alive is refused; with
+    backward in between, both are exact."""
+    model = build("vit", "cls")
+    model.gradient_checkpointing_enable()
+    hfcp.patch(model, cp_size=cp, strategy="ring")
+    px_a = pixels("vit", 2, 32, None)  # 16 patches + CLS = 17 tokens
+    px_b = pixels("vit", 2, 40, None)[..., :40, :32]  # 5 x 4 = 20 patches + CLS = 21 tokens
+    labels = torch.tensor([0, 2])
+    loss_a = model(px_a, labels=labels, interpolate_pos_encoding=True).loss
+    try:
+        model(px_b, labels=labels, interpolate_pos_encoding=True)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    loss_a.backward()
+    del loss_a
+    model(px_b, labels=labels, interpolate_pos_encoding=True).loss.backward()  # after backward: allowed
+    hfcp.unpatch(model)
+    return refused
