@@ -112,8 +112,6 @@ def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return _AllGather.apply(x, group, dim)
 
 
-
-
 def _all_to_all_packed(pieces: list[torch.Tensor], group) -> list[torch.Tensor]:
     """pieces[i] (size, *shape_i): slice j of every piece goes to rank j, in ONE collective; returns the
     received (size, *shape_i) tensors, whose slice j came from rank j."""

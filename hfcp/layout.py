@@ -61,12 +61,13 @@ class Layout:
         """(padded_len,) global index of each token of the rank-order concatenation of all local slices."""
         return torch.cat([self.local_index(r, device) for r in range(self.cp_size)])
 
-    def gathered_inverse(self, device=None) -> torch.Tensor:
-        """(seq_len,) position in the rank-order concatenation of each original token (padding dropped)."""
+    def gathered_inverse(self, device=None, keep_padding: bool = False) -> torch.Tensor:
+        """(seq_len,) position in the rank-order concatenation of each original token (padding dropped), or
+        (padded_len,) of every token with keep_padding."""
         order = self.gathered_order(device)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return inverse[: self.seq_len]
+        return inverse if keep_padding else inverse[: self.seq_len]
 
 
 def pad_to(x: torch.Tensor, length: int, dim: int, value) -> torch.Tensor:

@@ -38,7 +38,7 @@ class AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk_all = torch.zeros_like(k_all, dtype=torch.float32)
         dv_all = torch.zeros_like(v_all, dtype=torch.float32)
-        backward_tiles(dout.contiguous(), q, k_all, v_all, out, lse, tiles, scale, dq, dk_all, dv_all)
+        backward_tiles(dout, q, k_all, v_all, out, lse, tiles, scale, dq, dk_all, dv_all)
         dkv = reduce_scatter_sum(torch.stack([dk_all.transpose(1, 2), dv_all.transpose(1, 2)]), group, dim=2)
         dk, dv = (g.transpose(1, 2).to(t.dtype) for g, t in ((dkv[0], k), (dkv[1], v)))  # (B, Hkv, L/cp, D)
         return dq.to(q.dtype), dk, dv, None, None, None, None

@@ -19,12 +19,6 @@ def check_heads(num_heads: int, num_kv_heads: int, cp: int) -> None:
         )
 
 
-def _natural_order(sb: StepBatch, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, inverse): order[j] is the global index at gathered position j; inverse undoes it."""
-    order = sb.layout.gathered_order(device)
-    return order, torch.argsort(order)
-
-
 def natural(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x (B, H, L, D) reordered along L by `index`, in (B, L, H, D) memory (the kernels' preferred layout)."""
     return x.transpose(1, 2).index_select(1, index).transpose(1, 2)
@@ -38,7 +32,8 @@ class UlyssesAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sb, spec, scale, group):
         cp = group_size(group)
         check_heads(q.shape[1], k.shape[1], cp)
-        order, inverse = _natural_order(sb, q.device)
+        order = sb.layout.gathered_order(q.device)  # global index of each gathered position
+        inverse = sb.layout.gathered_inverse(q.device, keep_padding=True)  # gathered position of each global index
         qn, kn, vn = (natural(t, inverse) for t in all_to_all_heads([q, k, v], group))  # (B, H/cp, L, D) natural
         whole = [(0, sb.layout.padded_len)]
         tiles = plan_tiles(spec, sb, whole, whole, q.dtype, q.device)
