@@ -1,16 +1,103 @@
-"""Input checks run by the shard hook: shapes against input_ids, and one tiny collective per step that
-verifies every rank of a CP group got the same batch (they must: each rank shards the FULL batch)."""
+"""Input checks run by the shard hooks.
+
+Order matters for "no rank hangs": `check_same_batch` (one tiny all-gather of a digest per step) runs before
+anything that could raise on one rank only, and compares a digest that any change of any element changes.
+Once the ranks agree that they hold the same batch, the checks that read the data (`check_lm_batch`) raise
+on every rank of the CP group alike, before any other collective.
+"""
 from __future__ import annotations
+
+import functools
+import hashlib
 
 import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_no_grad
 
+BATCH_NAMES = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels",
+               "num_items_in_batch", "ignore_index")
+_BLOCK = 1 << 18  # words per weighted block
+_MASK64 = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=8)
+def _weights(device: str) -> torch.Tensor:
+    """(_BLOCK,) odd int64 weights from a fixed seed: the same on every rank."""
+    g = torch.Generator().manual_seed(0x5EED)
+    return (torch.randint(-(1 << 62), 1 << 62, (_BLOCK,), generator=g, dtype=torch.int64) * 2 + 1).to(device)
+
+
+def _signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _block_multiplier(j: int) -> int:
+    return _signed((2 * j + 1) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) | 1
+
+
+def _meta_digest(value) -> int:
+    """Shape and dtype of a tensor (or the repr of anything else) -> int64."""
+    text = f"{value.dtype}{tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+    return _signed(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little"))
+
+
+def content_digest(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim int64 tensor on t's device: sum over the bytes of t, read as words w_i, of w_i * c_i mod 2^64,
+    with pseudo-random odd weights c_i that differ per position. Changing, swapping or compensating edits of
+    elements change it (except with probability ~2^-48); computed block by block, so no copy of a large
+    tensor is made (only a non-contiguous one is made contiguous)."""
+    x = t.detach()
+    x = x.contiguous() if not x.is_contiguous() else x
+    words = x.reshape(-1).view(torch.uint8)
+    if words.numel() % 4 == 0:
+        words = words.view(torch.int32)
+    elif words.numel() % 2 == 0:
+        words = words.view(torch.int16)
+    w = _weights(str(words.device))
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
+    for j, start in enumerate(range(0, words.numel(), _BLOCK)):
+        part = words[start : start + _BLOCK]
+        total += (part.long() * w[: part.numel()]).sum() * _block_multiplier(j)  # int64 arithmetic wraps
+    return total
+
+
+def batch_digest(kw: dict, names=BATCH_NAMES, device=None) -> torch.Tensor:
+    """(2 * len(names),) int64: (meta, content) digest of each named argument (None and absent alike)."""
+    parts = []
+    for name in names:
+        v = kw.get(name)
+        parts.append(torch.tensor(_meta_digest(v), dtype=torch.int64))
+        parts.append(content_digest(v).cpu() if isinstance(v, torch.Tensor) else torch.zeros((), dtype=torch.int64))
+    out = torch.stack(parts)
+    return out.to(device) if device is not None else out
+
+
+def check_same_batch(kw: dict, group, names=BATCH_NAMES) -> None:
+    """Raises ValueError on every rank of `group` if any rank's batch differs (shape, dtype or any element).
+
+    Never raises before its collective for any input, so every rank reaches it and no rank hangs.
+    """
+    device = None
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    every = all_gather_no_grad(batch_digest(kw, names, device)[None], group, dim=0).cpu()  # (cp, 2 * len(names))
+    differs = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
+    if differs:
+        ranks = dist.get_process_group_ranks(group)
+        which = [n for i, n in enumerate(names) if not bool((every[:, 2 * i : 2 * i + 2] == every[0, 2 * i : 2 * i + 2]).all())]
+        raise ValueError(
+            f"ranks of one CP group got different batches ({', '.join(which)}): global ranks "
+            f"{[ranks[r] for r in differs]} differ from rank {ranks[0]}. Every rank of a CP group must get the same "
+            "full batch: split data over data-parallel groups with hfcp.data_parallel_rank_and_size(model), or train "
+            "with hfcp.integrations.HfcpTrainer, which does; pass check_inputs=False to hfcp.patch to skip this check"
+        )
+
 
 def check_shapes(kw: dict, batch: int, length: int) -> None:
     """Raises ValueError when labels / attention_mask / position_ids do not match (batch, length)."""
-    for name in ("labels", "attention_mask", "position_ids"):
+    for name in ("labels", "shift_labels", "attention_mask", "position_ids"):
         t = kw.get(name)
         if t is None:
             continue
@@ -27,28 +114,15 @@ def check_shapes(kw: dict, batch: int, length: int) -> None:
             )
 
 
-def _fingerprint(t: torch.Tensor | None) -> list[float]:
-    """numel, the sum, and sums over two strided samples (so most reorderings change it too); fp64
-    accumulation without materialising a copy of the tensor (a long video's pixels can be 100s of MB)."""
-    if t is None:
-        return [-1.0, 0.0, 0.0, 0.0]
-    x = t.detach().reshape(-1)
-    return [float(x.numel()), float(x.sum(dtype=torch.float64)), float(x[::7].sum(dtype=torch.float64)),
-            float(x[5::13].sum(dtype=torch.float64))]
-
-
-def check_same_batch(kw: dict, group, names=("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels")):
-    """Raises ValueError on every rank of `group` if any rank's batch differs (shape or content)."""
-    fp = torch.tensor([v for n in names for v in _fingerprint(kw.get(n))], dtype=torch.float64)
-    ref = next((kw[n] for n in names if kw.get(n) is not None), None)
-    if ref is not None and dist.get_backend(group) == "nccl":
-        fp = fp.to(ref.device)
-    every = all_gather_no_grad(fp[None], group, dim=0).cpu()  # (cp, 4 * len(names))
-    differs = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
-    if differs:
-        ranks = dist.get_process_group_ranks(group)
-        raise ValueError(
-            f"ranks of one CP group got different batches: global ranks {[ranks[r] for r in differs]} differ from "
-            f"rank {ranks[0]} (every rank of a CP group must get the same full batch; split data over data-parallel "
-            "groups with hfcp.data_parallel_rank_and_size(model)); pass check_inputs=False to hfcp.patch to skip this"
-        )
+def check_token_range(name: str, t: torch.Tensor, vocab: int, ignore: int | None = None) -> None:
+    """Raises ValueError unless every element of the integer tensor `t` is in [0, vocab) or equals `ignore`."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} has dtype {t.dtype}; pass integer token ids (torch.long)")
+    bad = (t < 0) | (t >= vocab)
+    if ignore is not None:
+        bad &= t != ignore
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        also = f" and is not the ignore_index {ignore}" if ignore is not None else ""
+        raise ValueError(f"{name}[{', '.join(map(str, where))}] = {int(t[where])} is outside the vocabulary "
+                         f"[0, {vocab}){also}; fix the batch")

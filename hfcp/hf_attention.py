@@ -1,6 +1,7 @@
 """The function hfcp registers in transformers' AttentionInterface (key "hfcp"), and its mask builder."""
 from __future__ import annotations
 
+import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -13,14 +14,16 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
                    sliding_window=None, is_causal=None, **kwargs):
     """transformers attention function: q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> ((B, L/cp, H, D), None)."""
     state = getattr(module, "_hfcp_state", None)
-    step = getattr(attention_mask, "hfcp_step", None)  # the step this call belongs to (see hooks.step_token)
-    if state is not None and step is None:
-        step = state.step
+    step = getattr(attention_mask, "hfcp_step", None)  # the step this call belongs to (see lm_hooks.step_token)
+    if state is not None and step is None and state.patcher.embeddings_classes:
+        step = state.step  # token models: no mask argument; their step depends on the token count only
     if state is None or step is None:
         raise RuntimeError(
             f"{type(module).__name__} uses attn_implementation='hfcp' but was not called through a model "
-            "patched by hfcp.patch (or outside its forward); patch the top-level model"
+            "patched by hfcp.patch (or outside its forward): call the patched top-level model, whose hook "
+            "shards the inputs (a submodule such as model.model called directly would see the whole sequence)"
         )
+    state.attention_calls.add(id(module))
     if dropout:
         raise ValueError(f"attention dropout={dropout} cannot be made exact under CP; set config.attention_dropout=0")
     local = step.layout.local_len
@@ -33,8 +36,23 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     spec = MaskSpec(bool(causal), sliding_window)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.mesh.cp_group)
+    query, key, value = same_dtype(query, key, value, type(module).__name__)
+    with torch.autocast(query.device.type, enabled=False):  # the strategies choose their own precisions
+        out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.mesh.cp_group)
     return out.transpose(1, 2).contiguous(), None
+
+
+def same_dtype(query, key, value, name: str):
+    """q, k, v in one dtype, as SDPA sees them: under autocast all in the autocast dtype (after RoPE q/k are
+    often fp32 while v is bf16); otherwise they must already agree (SDPA refuses a mix too)."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return tuple(t.to(dtype) for t in (query, key, value))
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(f"{name}: query, key and value have dtypes {query.dtype}, {key.dtype}, {value.dtype}; "
+                         "attention needs one dtype (cast the model with model.to(dtype), or train under autocast)")
+    return query, key, value
 
 
 def hfcp_mask(*args, **kwargs):

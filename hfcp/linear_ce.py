@@ -61,6 +61,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             if need_b:
                 grad_b += dlogits.sum(0)
         ctx.grads = (grad_h, grad_w, grad_b)
+        ctx.any_valid = bool((targets != IGNORE_INDEX).any())
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total
 
@@ -71,6 +72,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         if grads is None:
             raise RuntimeError("the chunked loss's gradients were already used: backward through it only once")
         ctx.grads = None
+        if not ctx.any_valid:  # no target here: zero gradients, as F.cross_entropy gives, even when the
+            grad_total = torch.zeros_like(grad_total)  # upstream is inf/NaN (a batch without targets: 0 / 0)
         scaled = [None if g is None else (g * grad_total).to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
         return (*scaled, None, None, None)
 

@@ -6,7 +6,7 @@ import inspect
 import torch
 from accelerate.hooks import ModelHook
 
-from .checks import check_same_batch, check_shapes
+from .checks import check_same_batch, check_shapes, check_token_range
 from .layout import Layout, build_step_batch, pad_to
 from .loss import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean, shift_labels
 
@@ -35,6 +35,61 @@ def step_token(sb, device) -> torch.Tensor:
     return token
 
 
+def check_call(kw: dict) -> None:
+    """Refuse call styles hfcp cannot run (decided by the call, not the data, so before any collective)."""
+    if kw.get("cache") is not None or kw.get("past_key_values") is not None or kw.get("use_cache"):
+        raise ValueError(
+            "a hfcp-patched model runs training/eval forwards over the whole sequence; a KV cache "
+            "(use_cache=True, cache=..., generate()) is not supported: call hfcp.unpatch(model) to generate"
+        )
+    keep = kw.get("logits_to_keep", 0)
+    if isinstance(keep, torch.Tensor) or keep not in (0, None):
+        raise ValueError(f"logits_to_keep={keep!r} is not supported by hfcp (only 0: all logits); take the positions "
+                         "you need from hfcp.gather_sequence(out.logits, model)")
+
+
+def _vocab(module, which: str) -> int:
+    layer = module.get_input_embeddings() if which == "input" else module.get_output_embeddings()
+    weight = getattr(layer, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(module.config.get_text_config().vocab_size)
+
+
+def check_lm_batch(module, kw: dict, causal_lm: bool):
+    """Validate a causal LM / base model batch (every rank holds all of it, so every rank raises alike).
+
+    Returns (x, labels, targets): x is input_ids or inputs_embeds; labels as given (None: no loss); targets (B, L)
+    the target of each token (labels shifted over the whole sequence, or shift_labels), IGNORE_INDEX where none.
+    Pops the loss keywords shift_labels and ignore_index from kw.
+    """
+    ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
+    if ids is None and embeds is None:
+        raise ValueError("hfcp needs input_ids or inputs_embeds to shard the sequence")
+    if ids is not None and ids.dim() != 2:
+        raise ValueError(f"input_ids has shape {tuple(ids.shape)}; hfcp needs (batch, seq): add a batch dimension")
+    if embeds is not None and embeds.dim() != 3:
+        raise ValueError(f"inputs_embeds has shape {tuple(embeds.shape)}; hfcp needs (batch, seq, hidden)")
+    x = ids if ids is not None else embeds
+    if ids is not None:
+        check_token_range("input_ids", ids, _vocab(module, "input"))
+    check_shapes(kw, *x.shape[:2])
+    if not causal_lm:
+        return x, None, None
+    labels, shifted = kw.pop("labels", None), kw.pop("shift_labels", None)
+    ignore = kw.pop("ignore_index", IGNORE_INDEX)
+    if labels is None:
+        return x, None, None
+    if not isinstance(ignore, int) or isinstance(ignore, bool):
+        raise ValueError(f"ignore_index={ignore!r} must be an int")
+    vocab = _vocab(module, "output")
+    if shifted is None:  # as transformers: labels[:, 0] is never a target
+        check_token_range("labels[:, 1:]", labels[:, 1:], vocab, ignore)
+        shifted = shift_labels(labels, ignore)
+    else:  # transformers' loss uses shift_labels as they are and ignores labels
+        check_token_range("shift_labels", shifted, vocab, ignore)
+    targets = shifted.masked_fill(shifted == ignore, IGNORE_INDEX) if ignore != IGNORE_INDEX else shifted
+    return x, labels, targets
+
+
 DEFAULT_LOSS_CHUNK = 1024
 
 
@@ -60,23 +115,14 @@ class ShardSequenceHook(ModelHook):
         self.restore_pending_head()  # a forward that raised may have left the head swapped
         st.loss_sum = None
         kw = as_kwargs(module, args, kwargs)
-        if kw.get("cache") is not None or kw.get("past_key_values") is not None or kw.get("use_cache"):
-            raise ValueError(
-                "a hfcp-patched model runs training/eval forwards over the whole sequence; a KV cache "
-                "(use_cache=True, cache=..., generate()) is not supported: call hfcp.unpatch(model) to generate"
-            )
+        check_call(kw)  # how the model is called, not the data: raises on the calling rank before any collective
+        if st.check_inputs:  # a collective that cannot raise first: then every rank holds the same batch ...
+            check_same_batch(kw, st.mesh.cp_group)
+        x, labels, targets_full = check_lm_batch(module, kw, st.head == "causal_lm")  # ... and these raise alike
         if "use_cache" in inspect.signature(module._old_forward).parameters:
             kw["use_cache"] = False
-        if kw.get("logits_to_keep", 0) not in (0, None):
-            raise ValueError(f"logits_to_keep={kw['logits_to_keep']!r} is not supported by hfcp (only 0: all logits)")
-        ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
-        x = ids if ids is not None else embeds
-        if x is None:
-            raise ValueError("hfcp needs input_ids or inputs_embeds to shard the sequence")
         B, L = x.shape[:2]
-        if st.check_inputs:  # first, so that a rank-specific bad input fails on every rank together
-            check_same_batch(kw, st.mesh.cp_group)
-        check_shapes(kw, B, L)
+        ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
         mask = kw.get("attention_mask")
         layout = Layout(L, st.mesh.cp_size, zigzag=st.patcher.causal)
         pos = kw.get("position_ids")
@@ -84,6 +130,7 @@ class ShardSequenceHook(ModelHook):
             pos = torch.arange(L, device=x.device)[None].expand(B, -1)
         sb = build_step_batch(layout, st.mesh.cp_rank, B, pos, mask, x.device)
         st.step = sb
+        st.attention_calls = set()
         idx = sb.local_index.to(x.device)
         P = layout.padded_len
         if ids is not None:
@@ -93,12 +140,10 @@ class ShardSequenceHook(ModelHook):
         kw["position_ids"] = pad_to(pos.expand(B, -1), P, 1, 0).index_select(1, idx)
         kw["attention_mask"] = step_token(sb, x.device)
         st.targets = st.denominator = None
-        labels = kw.pop("labels", None) if st.head == "causal_lm" else None
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None
         if labels is not None:
-            shifted = shift_labels(labels)
-            st.denominator = num_items if num_items is not None else (shifted != IGNORE_INDEX).sum()
-            st.targets = pad_to(shifted, P, 1, IGNORE_INDEX).index_select(1, idx.to(labels.device))
+            st.denominator = num_items if num_items is not None else (targets_full != IGNORE_INDEX).sum()
+            st.targets = pad_to(targets_full, P, 1, IGNORE_INDEX).index_select(1, idx.to(labels.device))
             self._chunk = loss_chunk_for(st.loss_chunk, module.training and torch.is_grad_enabled())
             if self._chunk:
                 self._chunk_head(module)
@@ -126,6 +171,8 @@ class ShardSequenceHook(ModelHook):
 
     def post_forward(self, module, output):
         st = self.state
+        check_attention_ran(st, module)
+        stamp_sequence_outputs(output, st.step)
         if st.targets is None:
             return output
         chunked = self._chunk
@@ -144,3 +191,26 @@ class ShardSequenceHook(ModelHook):
         if chunked:
             fields["logits"] = None  # never materialised; pass loss_chunk=None to hfcp.patch to get them
         return type(output)(loss=loss, **fields)
+
+
+def check_attention_ran(state, module) -> None:
+    """Raises RuntimeError when a patched attention module ran this forward without calling hfcp's attention
+    function (for example after model.set_attn_implementation(...) on a patched model): its output is wrong."""
+    missed = [m for m in state.modules if id(m) not in state.attention_calls]
+    if missed:
+        raise RuntimeError(
+            f"{len(missed)} of {len(state.modules)} attention modules of {type(module).__name__} ({type(missed[0]).__name__}) "
+            f"ran this forward without hfcp's attention (attn_implementation is now "
+            f"{module.config._attn_implementation!r}), so they attended within this rank's shard only and the outputs "
+            "are wrong. Do not change the attention implementation of a patched model: hfcp.unpatch(model) first"
+        )
+
+
+def stamp_sequence_outputs(output, step) -> None:
+    """Tag the local sequence tensors of an output with their step, so that gather_sequence can refuse a tensor
+    of an earlier forward (its layout may differ even when its local length does not)."""
+    values = output if isinstance(output, tuple) else tuple(output.values())
+    for v in values:
+        for t in (v if isinstance(v, tuple) else (v,)):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == step.layout.local_len:
+                t.hfcp_step = step

@@ -10,12 +10,12 @@ from .collectives import all_reduce_sum
 from .linear_ce import IGNORE_INDEX, chunk_starts, linear_cross_entropy_sum
 
 
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """(B, L) -> (B, L): position i holds the target of token i (labels[i + 1]); the last is ignored.
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """(B, L) -> (B, L): position i holds the target of token i (labels[i + 1]); the last is `ignore_index`.
 
     Done on the full sequence, so the target of a rank's last token (which lives on another rank) is kept.
     """
-    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)
 
 
 def ce_sum(logits: torch.Tensor, local_targets: torch.Tensor) -> torch.Tensor:

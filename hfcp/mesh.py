@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -21,12 +22,19 @@ class Mesh:
 
 
 def as_timedelta(timeout) -> datetime.timedelta | None:
-    """None, seconds (int/float) or a timedelta -> timedelta or None. Raises ValueError otherwise."""
-    if timeout is None or isinstance(timeout, datetime.timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
-        return datetime.timedelta(seconds=float(timeout))
-    raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or a datetime.timedelta")
+    """None, seconds (int/float) or a timedelta -> timedelta or None.
+
+    Raises ValueError for anything else, including zero, negative, NaN and infinite values (a collective cannot
+    wait forever: None keeps the process group's default).
+    """
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) and seconds > 0
+    if not ok:
+        raise ValueError(f"timeout={timeout!r} must be a positive, finite number of seconds or datetime.timedelta "
+                         "(None: the process group's default timeout)")
+    return datetime.timedelta(seconds=float(seconds))
 
 
 def env_world_size() -> int:
@@ -61,6 +69,14 @@ def build_mesh(cp_size: int | None, process_group=None, timeout=None) -> Mesh | 
     """
     td = as_timedelta(timeout)
     if process_group is not None:
+        # new_group gives non-members a placeholder, not the group: hfcp cannot see its ranks then
+        member = process_group is not dist.GroupMember.NON_GROUP_MEMBER
+        ranks = dist.get_process_group_ranks(process_group) if member else "(not a member)"
+        if not member or dist.get_rank() not in ranks:
+            raise ValueError(
+                f"process_group has global ranks {ranks}, which do not include this rank {dist.get_rank()}: pass "
+                "every rank the CP group it belongs to (or pass cp_size and let hfcp build the groups)"
+            )
         size = dist.get_world_size(process_group)
         if cp_size is not None and cp_size != size:
             raise ValueError(f"cp_size={cp_size} differs from the size {size} of the given process_group")
@@ -69,7 +85,6 @@ def build_mesh(cp_size: int | None, process_group=None, timeout=None) -> Mesh | 
                              "torch.distributed.new_group(..., timeout=...) instead")
         if size == 1:
             return None
-        ranks = dist.get_process_group_ranks(process_group)
         if ranks != list(range(ranks[0], ranks[0] + size)) or ranks[0] % size:
             raise ValueError(
                 f"process_group ranks {ranks}: hfcp needs consecutive blocks [d*cp, (d+1)*cp) to know each rank's "

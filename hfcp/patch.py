@@ -15,7 +15,7 @@ from .hf_attention import KEY, register_with_transformers
 from . import vision_hooks
 from .lm_hooks import ShardSequenceHook
 from .layout import StepBatch
-from .mesh import Mesh, build_mesh
+from .mesh import Mesh, as_timedelta, build_mesh
 from .registry import REGISTRY, Patcher, UnsupportedModelError
 
 log = logging.getLogger("hfcp")
@@ -30,7 +30,7 @@ class CPState:
     patcher: Patcher
     head: str  # "causal_lm", "classification" or "base"
     original_attn: str
-    settings: tuple
+    settings: dict
     check_inputs: bool = True
     loss_chunk: int | str | None = "auto"
     modules: list = field(default_factory=list)
@@ -39,6 +39,7 @@ class CPState:
     targets: torch.Tensor | None = None
     denominator: object = None
     loss_sum: torch.Tensor | None = None
+    attention_calls: set = field(default_factory=set)  # id() of the attention modules that ran this forward
 
     def __deepcopy__(self, memo):
         raise RuntimeError(
@@ -104,7 +105,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         The same model object. With one process or cp_size 1 the model is left unchanged.
     Raises:
         UnsupportedModelError: no patcher for config.model_type, or an unsupported head.
-        ValueError: unknown strategy, bad cp_size, ulysses with indivisible heads, patched with other settings.
+        ValueError: unknown strategy, bad cp_size / timeout / check_inputs / loss_chunk, ulysses with indivisible
+            heads, a process_group without this rank, already patched with other settings.
     """
     if loss_chunk not in (None, "auto") and (not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool) or loss_chunk < 1):
         raise ValueError(f"loss_chunk={loss_chunk!r} must be a positive number of tokens, 'auto' or None")
@@ -114,13 +116,17 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     model_type = inner.config.model_type
     patcher = REGISTRY.lookup(model_type)  # raises on every rank before any collective
     head = _head_kind(inner, model_type, token_model=bool(patcher.embeddings_classes))
-    settings = (cp_size, strategy, process_group, check_inputs, loss_chunk)
+    if not isinstance(check_inputs, bool):
+        raise ValueError(f"check_inputs={check_inputs!r} must be True or False")
+    settings = dict(cp_size=cp_size, strategy=strategy, process_group=process_group, timeout=as_timedelta(timeout),
+                    check_inputs=check_inputs, loss_chunk=loss_chunk)
     existing = getattr(inner, "_hfcp_state", None)
     if existing is not None:
         if existing.settings == settings:
             return model
+        differ = {k: (existing.settings[k], v) for k, v in settings.items() if existing.settings[k] != v}
         raise ValueError(
-            f"model is already patched with cp_size={existing.settings[0]}, strategy={existing.settings[1]!r}; "
+            f"model is already patched with other settings ({', '.join(f'{k}={a!r}, now {b!r}' for k, (a, b) in differ.items())}); "
             "call hfcp.unpatch(model) before patching with other settings"
         )
     modules = [m for m in inner.modules() if type(m).__name__ in patcher.attention_classes]
@@ -197,6 +203,8 @@ def gather_sequence(tensor: torch.Tensor, model, dim: int = 1) -> torch.Tensor:
     """The full sequence (original order and length) of a local sequence output such as logits.
 
     Applies to outputs of the model's latest forward (the layout is per step); gather before the next forward.
+    The model's own outputs carry their step: one from an earlier forward, or a dim other than their sequence
+    dimension, is refused (ValueError).
 
     Differentiable: the backward sums over the CP group and returns each rank its slice (consistent with the
     loss convention, so mean-over-group grads stay exact). Unpatched models: returns `tensor` unchanged.
@@ -207,6 +215,13 @@ def gather_sequence(tensor: torch.Tensor, model, dim: int = 1) -> torch.Tensor:
     if state.step is None:
         raise RuntimeError("gather_sequence needs the output of a forward of the patched model")
     layout = state.step.layout
+    stamp = getattr(tensor, "hfcp_step", None)  # set on the model's own sequence outputs
+    if stamp is not None and stamp is not state.step:
+        raise ValueError("gather_sequence got an output of an earlier forward; the layout is per step, so gather "
+                         "each output before the next forward of the model")
+    if stamp is not None and dim % tensor.dim() != 1:
+        raise ValueError(f"gather_sequence(dim={dim}) of a model output of shape {tuple(tensor.shape)}: its sequence "
+                         "dimension is 1 (batch, seq, ...); pass dim=1")
     if tensor.shape[dim] != layout.local_len:
         raise ValueError(f"tensor has {tensor.shape[dim]} tokens along dim {dim}; the local slice has {layout.local_len}")
     full = all_gather(tensor, state.mesh.cp_group, dim)

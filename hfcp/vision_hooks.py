@@ -14,7 +14,7 @@ import weakref
 from accelerate.hooks import ModelHook, add_hook_to_module
 
 from .checks import check_same_batch
-from .lm_hooks import as_kwargs
+from .lm_hooks import as_kwargs, check_attention_ran
 from .collectives import all_gather
 from .layout import Layout, build_step_batch, pad_to
 
@@ -74,10 +74,12 @@ class CheckPixelsHook(ModelHook):
         if self.state.check_inputs:
             names = ("pixel_values", "labels")
             check_same_batch(kwargs, self.state.mesh.cp_group, names)
+        self.state.attention_calls = set()
         return (), kwargs
 
     def post_forward(self, module, output):
         st = self.state
+        check_attention_ran(st, module)
         if st.head != "base":
             return output
         with_module = st.patcher.first_token_pooler and getattr(module, "pooler", None) is not None

@@ -8,6 +8,7 @@ import torch
 from ..collectives import all_gather_no_grad, group_rank, reduce_scatter_sum
 from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
+from .kernels import acc_dtype
 
 
 def _gather_kv(k, v, group):  # gathered in (B, L, Hkv, D) memory, the layout the kernels prefer (see kernels)
@@ -35,9 +36,9 @@ class AllGatherAttention(torch.autograd.Function):
         rank = group_rank(group)
         k_all, v_all = _gather_kv(k, v, group)
         tiles = plan_tiles(spec, sb, sb.layout.ranges(rank), sb.layout.all_ranges(), q.dtype, q.device)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk_all = torch.zeros_like(k_all, dtype=torch.float32)
-        dv_all = torch.zeros_like(v_all, dtype=torch.float32)
+        dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
+        dk_all = torch.zeros_like(k_all, dtype=acc_dtype(q.dtype))
+        dv_all = torch.zeros_like(v_all, dtype=acc_dtype(q.dtype))
         backward_tiles(dout, q, k_all, v_all, out, lse, tiles, scale, dq, dk_all, dv_all)
         dkv = reduce_scatter_sum(torch.stack([dk_all.transpose(1, 2), dv_all.transpose(1, 2)]), group, dim=2)
         dk, dv = (g.transpose(1, 2).to(t.dtype) for g, t in ((dkv[0], k), (dkv[1], v)))  # (B, Hkv, L/cp, D)

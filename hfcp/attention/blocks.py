@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import StepBatch
-from .kernels import NEG_INF, has_fused_kernel, kernel_backward, kernel_forward, lse_for_backward, merge_into
+from .kernels import NEG_INF, acc_dtype, has_fused_kernel, kernel_backward, kernel_forward, lse_for_backward, merge_into
 
 MAX_TILE = 1024
 
@@ -160,7 +160,7 @@ def plan_tiles(spec: MaskSpec, sb: StepBatch, q_ranges, k_ranges, dtype, device)
 
 
 def forward_tiles(q, k, v, tiles: list[Tile], scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Accumulate attention of q against k/v over `tiles` into out (B, H, Lq, D) fp32 and lse (B, H, Lq) fp32."""
+    """Accumulate attention of q against k/v over `tiles` into out (B, H, Lq, D) and lse (B, H, Lq) (acc_dtype)."""
     for t in tiles:
         qs, ks = slice(t.q_off, t.q_off + t.q_len), slice(t.k_off, t.k_off + t.k_len)
         o, l = kernel_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], t.mask, t.is_causal, scale)
@@ -171,7 +171,7 @@ def forward_tiles(q, k, v, tiles: list[Tile], scale: float, out: torch.Tensor, l
 
 
 def backward_tiles(dout, q, k, v, out, lse, tiles: list[Tile], scale: float, dq, dk, dv) -> None:
-    """Accumulate the block gradients of `tiles` into dq, dk, dv (fp32), given the merged out and lse."""
+    """Accumulate the block gradients of `tiles` into dq, dk, dv (acc_dtype), given the merged out and lse."""
     lse_b = lse_for_backward(lse)
     for t in tiles:
         qs, ks = slice(t.q_off, t.q_off + t.q_len), slice(t.k_off, t.k_off + t.k_len)
@@ -187,4 +187,5 @@ def backward_tiles(dout, q, k, v, out, lse, tiles: list[Tile], scale: float, dq,
 def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty (out, lse) accumulators for q (B, H, Lq, D); out keeps q's memory layout (see kernels)."""
     b, h, lq, _ = q.shape
-    return torch.zeros_like(q, dtype=torch.float32), q.new_full((b, h, lq), NEG_INF, dtype=torch.float32)
+    acc = acc_dtype(q.dtype)
+    return torch.zeros_like(q, dtype=acc), q.new_full((b, h, lq), NEG_INF, dtype=acc)

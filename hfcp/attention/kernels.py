@@ -2,7 +2,7 @@
 
 Shapes: q (B, H, Lq, D); k, v (B, Hkv, Lk, D) with H % Hkv == 0 (GQA: K/V are never repeated before
 this point); mask None or an additive float mask broadcastable to (B, 1, Lq, Lk) in q's dtype;
-lse (B, H, Lq) float32, natural log of the sum of exp(scale * q.k) over the allowed keys.
+lse (B, H, Lq) float32 (float64 for a float64 model: see acc_dtype), natural log of the sum of exp(scale * q.k) over the allowed keys.
 
 Memory layout: transformers hands attention (B, L, H, D) memory viewed as (B, H, L, D), and the CPU flash
 kernel is 10-15% faster on that layout than on contiguous (B, H, L, D) (measured, torch 2.13, one thread), so
@@ -19,37 +19,43 @@ import torch
 NEG_INF = float("-inf")
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of merges, LSEs and gradient accumulators: fp32, or fp64 for a float64 model."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _cpu_forward(q, k, v, mask, is_causal, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
     )
-    return out, lse.float()
+    return out, lse.to(acc_dtype(q.dtype))
 
 
 def _cpu_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
+        dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), 0.0, is_causal, attn_mask=mask, scale=scale
     )
 
 
 def _scores(q, k, mask, is_causal, scale):
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1) if rep > 1 else k
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
+    acc = acc_dtype(q.dtype)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
     if is_causal:
         s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), NEG_INF)
     if mask is not None:
-        s = s + mask.float()
+        s = s + mask.to(acc)
     return s, rep
 
 
 def reference_forward(q, k, v, mask, is_causal, scale):
-    """Plain-math kernel (fp32 inside): the ground truth the tests use, and the fallback off CPU."""
+    """Plain-math kernel (fp32 inside, fp64 for fp64): the ground truth the tests use, and the fallback off CPU."""
     s, rep = _scores(q, k, mask, is_causal, scale)
     lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq)
     p = torch.exp(s - lse.masked_fill(lse == NEG_INF, 0.0)[..., None])
     vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-    return torch.matmul(p, vr.float()).to(q.dtype), lse
+    return torch.matmul(p, vr.to(p.dtype)).to(q.dtype), lse
 
 
 def reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
@@ -57,13 +63,14 @@ def reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
     s, rep = _scores(q, k, mask, is_causal, scale)
     p = torch.exp(s - lse[..., None])  # lse = +inf for rows with no allowed key: p = 0
     vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-    do = dout.float()
+    acc = p.dtype
+    do = dout.to(acc)
     dv = torch.matmul(p.transpose(-1, -2), do)
-    dp = torch.matmul(do, vr.float().transpose(-1, -2))
-    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True)) * scale
+    dp = torch.matmul(do, vr.to(acc).transpose(-1, -2))
+    ds = p * (dp - (do * out.to(acc)).sum(-1, keepdim=True)) * scale
     kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k
-    dq = torch.matmul(ds, kr.float())
-    dk = torch.matmul(ds.transpose(-1, -2), q.float())
+    dq = torch.matmul(ds, kr.to(acc))
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc))
     if rep > 1:
         b, h, lk, d = dk.shape
         dk = dk.view(b, h // rep, rep, lk, d).sum(2)
@@ -91,7 +98,7 @@ def _cuda_forward(q, k, v, mask, is_causal, scale):
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, kr, vr, _aligned_bias(mask, b, h, lq, k.shape[2]), True, 0.0, is_causal, scale=scale
     )
-    return out, lse[..., :lq].float()
+    return out, lse[..., :lq].to(acc_dtype(q.dtype))
 
 
 def _cuda_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
@@ -121,7 +128,7 @@ def _fused_cuda_ok(device: str, dtype: torch.dtype) -> bool:
         mask = torch.zeros(2, 1, 40, 40).masked_fill_(torch.rand(2, 1, 40, 40, generator=g) < 0.3, NEG_INF)
         mask[..., 0] = 0.0
         mask = mask.to(device, dtype)
-        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
         for m, causal in ((None, True), (mask, False)):
             o1, l1 = _cuda_forward(q, k, v, m, causal, 0.25)
             o2, l2 = reference_forward(q, k, v, m, causal, 0.25)
@@ -147,33 +154,36 @@ def has_fused_kernel(device, dtype=torch.float32) -> bool:
 
 
 def kernel_forward(q, k, v, mask, is_causal: bool, scale: float):
-    """One block of attention: returns (out in q's dtype, lse float32)."""
-    if q.device.type == "cpu":
-        return _cpu_forward(q, k, v, mask, is_causal, scale)
-    if has_fused_kernel(q.device, q.dtype):
-        return _cuda_forward(q, k, v, mask, is_causal, scale)
-    return reference_forward(q, k, v, mask, is_causal, scale)
+    """One block of attention: returns (out in q's dtype, lse in acc_dtype). q, k, v share one dtype; autocast
+    is off inside (the caller brought q/k/v to the autocast dtype, as SDPA does)."""
+    with torch.autocast(q.device.type, enabled=False):
+        if q.device.type == "cpu":
+            return _cpu_forward(q, k, v, mask, is_causal, scale)
+        if has_fused_kernel(q.device, q.dtype):
+            return _cuda_forward(q, k, v, mask, is_causal, scale)
+        return reference_forward(q, k, v, mask, is_causal, scale)
 
 
 def kernel_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float):
     """Block gradients given the *merged* out and lse (rows with no key anywhere carry lse = +inf)."""
-    if q.device.type == "cpu":
-        return _cpu_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
-    if has_fused_kernel(q.device, q.dtype):
-        return _cuda_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
-    return reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
+    with torch.autocast(q.device.type, enabled=False):
+        if q.device.type == "cpu":
+            return _cpu_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
+        if has_fused_kernel(q.device, q.dtype):
+            return _cuda_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
+        return reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """In place: (out, lse) <- LSE-merge of (out, lse) and (block_out, block_lse), in fp32.
+    """In place: (out, lse) <- LSE-merge of (out, lse) and (block_out, block_lse), in their dtype (acc_dtype).
 
-    out (B, H, Lq, D) float32, lse (B, H, Lq) float32; rows with lse = -inf on both sides stay 0.
+    out (B, H, Lq, D), lse (B, H, Lq), both acc_dtype; rows with lse = -inf on both sides stay 0.
     """
     new = torch.logaddexp(lse, block_lse)
     base = new.masked_fill(new == NEG_INF, 0.0)
     w_old = torch.exp(lse - base)[..., None]
     w_new = torch.exp(block_lse - base)[..., None]
-    out.mul_(w_old).add_(block_out.float() * w_new)
+    out.mul_(w_old).add_(block_out.to(out.dtype) * w_new)
     lse.copy_(new)
 
 

@@ -12,12 +12,13 @@ import torch
 from ..collectives import RingComm, group_rank, group_size
 from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
+from .kernels import acc_dtype
 
 KV_TAG, GRAD_TAG = 0, 1
 
 
 def ring_forward(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group):
-    """Returns (out (B, H, L/cp, D) in q's dtype, lse (B, H, L/cp) fp32) of the local queries against all keys."""
+    """Returns (out (B, H, L/cp, D) in q's dtype, lse (B, H, L/cp) in acc_dtype) of the local queries against all keys."""
     cp, rank = group_size(group), group_rank(group)
     comm = RingComm(group, KV_TAG)
     out, lse = new_accumulators(q)  # (B, H, L/cp, D), (B, H, L/cp) fp32
@@ -39,15 +40,15 @@ def ring_backward(dout, q, k, v, out, lse, sb: StepBatch, spec: MaskSpec, scale:
     cp, rank = group_size(group), group_rank(group)
     kv_comm, grad_comm = RingComm(group, KV_TAG), RingComm(group, GRAD_TAG)
     q_ranges = sb.layout.ranges(rank)
-    dq = torch.zeros_like(q, dtype=torch.float32)
+    dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
     kv = [k, v]
     for step in range(cp):
         if step + 1 < cp:
             kv_comm.exchange(kv)
         owner = (rank - step) % cp
         tiles = plan_tiles(spec, sb, q_ranges, sb.layout.ranges(owner), q.dtype, q.device)
-        dk = torch.zeros_like(k, dtype=torch.float32)  # grads for the block of `owner`
-        dv = torch.zeros_like(v, dtype=torch.float32)
+        dk = torch.zeros_like(k, dtype=acc_dtype(q.dtype))  # grads for the block of `owner`
+        dv = torch.zeros_like(v, dtype=acc_dtype(q.dtype))
         backward_tiles(dout, q, kv[0], kv[1], out, lse, tiles, scale, dq, dk, dv)
         if step > 0:  # add what earlier holders of this block accumulated
             dk_in, dv_in = grad_comm.wait()

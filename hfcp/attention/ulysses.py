@@ -7,6 +7,7 @@ import torch
 from ..collectives import all_to_all_heads, all_to_all_sequence, group_size
 from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
+from .kernels import acc_dtype
 
 
 def check_heads(num_heads: int, num_kv_heads: int, cp: int) -> None:
@@ -50,7 +51,7 @@ class UlyssesAttention(torch.autograd.Function):
         sb, spec, scale, group = ctx.args
         whole = [(0, sb.layout.padded_len)]
         tiles = plan_tiles(spec, sb, whole, whole, qn.dtype, qn.device)
-        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (qn, kn, vn))
+        dq, dk, dv = (torch.zeros_like(t, dtype=acc_dtype(t.dtype)) for t in (qn, kn, vn))
         dout_n = natural(all_to_all_heads([dout], group)[0], inverse)
         backward_tiles(dout_n, qn, kn, vn, out_n, lse_n, tiles, scale, dq, dk, dv)
         grads = all_to_all_sequence([natural(g.to(t.dtype), order) for g, t in ((dq, qn), (dk, kn), (dv, vn))], group)
