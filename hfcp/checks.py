@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .collectives import all_gather_no_grad
 
 BATCH_NAMES = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels",
-               "num_items_in_batch", "ignore_index")
+               "num_items_in_batch", "ignore_index", "cu_seq_lens_q", "cu_seq_lens_k")
 _BLOCK = 1 << 18  # words per weighted block
 _MASK64 = (1 << 64) - 1
 

@@ -74,6 +74,14 @@ def all_gather_no_grad(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return torch.cat(parts, dim=dim)
 
 
+def all_reduce_no_grad(x: torch.Tensor, group) -> torch.Tensor:
+    """A copy of `x` summed over the group (no autograd)."""
+    x = x.detach().clone()
+    with guarded("all-reduce", group):
+        dist.all_reduce(x, group=group)
+    return x
+
+
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):

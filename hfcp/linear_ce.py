@@ -29,11 +29,25 @@ def check_targets(targets: torch.Tensor, vocab: int) -> None:
                          f"{IGNORE_INDEX} (ignored); fix the labels")
 
 
+@torch.no_grad()
+def add_token_stats(logits: torch.Tensor, targets: torch.Tensor, stats: torch.Tensor | None) -> None:
+    """stats (3,) float64 += [valid targets, top-1 hits, sum of the entropy of softmax(logits)] over the valid rows
+    of logits (n, V) with targets (n,): what token-accuracy and entropy metrics need, without keeping logits."""
+    if stats is None:
+        return
+    logits = logits.float()
+    valid = targets != IGNORE_INDEX
+    probs = torch.softmax(logits, dim=-1)
+    entropy = torch.logsumexp(logits, dim=-1) - torch.linalg.vecdot(probs, logits)  # (n,)
+    hits = (logits.argmax(-1) == targets) & valid
+    stats += torch.stack([valid.sum(), hits.sum(), (entropy * valid).sum()]).to(stats)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """sum over valid tokens of CE(hidden @ weight.T + bias, targets); hidden (N, H), targets (N,) -> fp32 scalar."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, grad_enabled):
+    def forward(ctx, hidden, weight, bias, targets, chunk, grad_enabled, stats=None):
         grad = grad_enabled  # the caller's grad mode (off inside forward): under no_grad, skip the gradients
         need_h, need_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         need_b = grad and bias is not None and ctx.needs_input_grad[2]
@@ -44,6 +58,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         for start in chunk_starts(targets, chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
             logits = F.linear(h, weight, bias).float()  # (n, V), as the model's head computes them
+            add_token_stats(logits, t, stats)
             valid = t != IGNORE_INDEX
             index = t.clamp_min(0)[:, None]
             lse = torch.logsumexp(logits, dim=-1)  # (n,)
@@ -75,15 +90,17 @@ class LinearCrossEntropy(torch.autograd.Function):
         if not ctx.any_valid:  # no target here: zero gradients, as F.cross_entropy gives, even when the
             grad_total = torch.zeros_like(grad_total)  # upstream is inf/NaN (a batch without targets: 0 / 0)
         scaled = [None if g is None else (g * grad_total).to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
-        return (*scaled, None, None, None)
+        return (*scaled, None, None, None, None)
 
 
-def linear_cross_entropy_sum(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Linear, chunk: int) -> torch.Tensor:
+def linear_cross_entropy_sum(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Linear, chunk: int,
+                             stats: torch.Tensor | None = None) -> torch.Tensor:
     """sum of CE(head(hidden), targets) over valid tokens, `chunk` tokens at a time, gradients taken in forward.
 
     hidden (B, L, H), targets (B, L) with IGNORE_INDEX for no target -> fp32 scalar (0 when none is valid).
+    stats: None, or a (3,) float64 tensor that add_token_stats accumulates into.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(hidden.device)
     check_targets(t, head.weight.shape[0])
-    return LinearCrossEntropy.apply(h, head.weight, head.bias, t, chunk, torch.is_grad_enabled())
+    return LinearCrossEntropy.apply(h, head.weight, head.bias, t, chunk, torch.is_grad_enabled(), stats)

@@ -7,7 +7,9 @@ import torch
 from accelerate.hooks import ModelHook
 
 from .checks import check_same_batch, check_shapes, check_token_range
-from .layout import Layout, build_step_batch, pad_to
+from .layout import Layout, build_step_batch, document_ids, pad_to
+from .collectives import all_reduce_no_grad
+from .linear_ce import add_token_stats
 from .loss import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean, shift_labels
 
 
@@ -42,6 +44,10 @@ def check_call(kw: dict) -> None:
             "a hfcp-patched model runs training/eval forwards over the whole sequence; a KV cache "
             "(use_cache=True, cache=..., generate()) is not supported: call hfcp.unpatch(model) to generate"
         )
+    if kw.get("fused_lm_head"):  # TRL's fused head: its forward calls the backbone around this hook
+        raise ValueError("fused_lm_head=True runs the model's backbone around hfcp (each rank would attend within its "
+                         "own shard only); train with hfcp.integrations.HfcpSFTTrainer, whose loss and metrics go "
+                         "through hfcp's chunked loss")
     keep = kw.get("logits_to_keep", 0)
     if isinstance(keep, torch.Tensor) or keep not in (0, None):
         raise ValueError(f"logits_to_keep={keep!r} is not supported by hfcp (only 0: all logits); take the positions "
@@ -72,6 +78,7 @@ def check_lm_batch(module, kw: dict, causal_lm: bool):
     if ids is not None:
         check_token_range("input_ids", ids, _vocab(module, "input"))
     check_shapes(kw, *x.shape[:2])
+    take_packed_lengths(kw, *x.shape[:2])
     if not causal_lm:
         return x, None, None
     labels, shifted = kw.pop("labels", None), kw.pop("shift_labels", None)
@@ -88,6 +95,33 @@ def check_lm_batch(module, kw: dict, causal_lm: bool):
         check_token_range("shift_labels", shifted, vocab, ignore)
     targets = shifted.masked_fill(shifted == ignore, IGNORE_INDEX) if ignore != IGNORE_INDEX else shifted
     return x, labels, targets
+
+
+def take_packed_lengths(kw: dict, batch: int, length: int) -> None:
+    """Padding-free collators (DataCollatorWithFlattening) pass `cu_seq_lens_q/k` and `max_length_q/k` for
+    flash attention beside position_ids. hfcp finds documents from position_ids (as transformers' SDPA path does),
+    so it checks that both describe the same documents, fills position_ids when only the lengths are given, and
+    pops them (they describe the whole sequence, not a rank's shard)."""
+    cu_q, cu_k = kw.pop("cu_seq_lens_q", None), kw.pop("cu_seq_lens_k", None)
+    kw.pop("max_length_q", None), kw.pop("max_length_k", None)
+    if cu_q is None and cu_k is None:
+        return
+    cu = cu_q if cu_q is not None else cu_k
+    if cu_k is not None and not torch.equal(cu.cpu(), cu_k.cpu()):
+        raise ValueError(f"cu_seq_lens_q {cu.tolist()} and cu_seq_lens_k {cu_k.tolist()} differ; hfcp supports "
+                         "self-attention over packed documents only")
+    lengths = torch.diff(cu.cpu().long())
+    if batch != 1 or cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != length or bool((lengths <= 0).any()):
+        raise ValueError(f"cu_seq_lens {cu.tolist()} do not describe documents packed into one row of {length} "
+                         f"tokens (batch {batch})")
+    if kw.get("attention_mask") is not None:
+        raise ValueError("cu_seq_lens_q/k with an attention_mask: pass packed documents without a padding mask")
+    from_lengths = torch.cat([torch.arange(int(n)) for n in lengths])[None]
+    pos = kw.get("position_ids")
+    if pos is None:
+        kw["position_ids"] = from_lengths.to(cu.device)
+    elif not torch.equal(document_ids(pos.cpu()), document_ids(from_lengths)):
+        raise ValueError(f"cu_seq_lens {cu.tolist()} and the position_ids resets describe different documents")
 
 
 DEFAULT_LOSS_CHUNK = 1024
@@ -139,11 +173,13 @@ class ShardSequenceHook(ModelHook):
             kw["inputs_embeds"] = pad_to(embeds, P, 1, 0.0).index_select(1, idx)
         kw["position_ids"] = pad_to(pos.expand(B, -1), P, 1, 0).index_select(1, idx)
         kw["attention_mask"] = step_token(sb, x.device)
-        st.targets = st.denominator = None
+        st.targets = st.denominator = st.token_stats = None
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None
         if labels is not None:
             st.denominator = num_items if num_items is not None else (targets_full != IGNORE_INDEX).sum()
             st.targets = pad_to(targets_full, P, 1, IGNORE_INDEX).index_select(1, idx.to(labels.device))
+            if st.want_token_stats:
+                st.token_stats = torch.zeros(3, dtype=torch.float64, device=x.device)
             self._chunk = loss_chunk_for(st.loss_chunk, module.training and torch.is_grad_enabled())
             if self._chunk:
                 self._chunk_head(module)
@@ -158,7 +194,7 @@ class ShardSequenceHook(ModelHook):
 
         def loss_instead_of_logits(hidden, *args, **kwargs):
             head.forward = original  # one call only, and chunks call the real head
-            st.loss_sum = chunked_ce_sum(hidden, targets, head, chunk)
+            st.loss_sum = chunked_ce_sum(hidden, targets, head, chunk, st.token_stats)
             return hidden.new_zeros(*hidden.shape[:-1], 0)  # (B, L/cp, 0): no logits materialised
 
         head.forward = loss_instead_of_logits
@@ -182,7 +218,13 @@ class ShardSequenceHook(ModelHook):
                 raise RuntimeError(f"{type(module).__name__} did not call its output head; use loss_chunk=None")
             local_sum, st.loss_sum = st.loss_sum, None
         else:
-            local_sum = ce_sum(output["logits"] if not isinstance(output, tuple) else output[0], st.targets)
+            logits = output["logits"] if not isinstance(output, tuple) else output[0]
+            local_sum = ce_sum(logits, st.targets)
+            if st.token_stats is not None:
+                add_token_stats(logits.reshape(-1, logits.shape[-1]), st.targets.reshape(-1).to(logits.device),
+                                st.token_stats)
+        if st.token_stats is not None:  # [valid targets, top-1 hits, entropy sum] of the whole sequence
+            st.token_stats = all_reduce_no_grad(st.token_stats, st.mesh.cp_group)
         loss = global_mean(local_sum, st.denominator, st.mesh.cp_group)
         st.targets = st.denominator = None
         if isinstance(output, tuple):  # with loss_chunk the (B, L/cp, 0) stand-in logits become None

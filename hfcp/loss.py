@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .collectives import all_reduce_sum
-from .linear_ce import IGNORE_INDEX, chunk_starts, linear_cross_entropy_sum
+from .linear_ce import IGNORE_INDEX, add_token_stats, chunk_starts, linear_cross_entropy_sum
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -37,11 +37,16 @@ def global_mean(local_sum: torch.Tensor, denominator, group) -> torch.Tensor:
     return total / denominator
 
 
-def _chunk_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head) -> torch.Tensor:
-    return ce_sum(head(hidden), targets)
+def _chunk_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, stats, first_run: list) -> torch.Tensor:
+    logits = head(hidden)
+    if first_run:  # not again when checkpointing recomputes this chunk in backward
+        first_run.clear()
+        add_token_stats(logits, targets, stats)
+    return ce_sum(logits, targets)
 
 
-def chunked_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int) -> torch.Tensor:
+def chunked_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int,
+                   stats: torch.Tensor | None = None) -> torch.Tensor:
     """sum of CE(head(hidden), targets) over valid tokens, `chunk` tokens at a time: the (tokens x vocab)
     logits of a chunk exist only inside it.
 
@@ -49,14 +54,16 @@ def chunked_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int
     any other head (a PEFT-wrapped lm_head, say) is called per chunk under activation checkpointing, so
     backward recomputes its logits.
 
-    hidden (B, L, H), targets (B, L) -> scalar fp32 (0 when no target is valid, never NaN).
+    hidden (B, L, H), targets (B, L) -> scalar fp32 (0 when no target is valid, never NaN). stats: see
+    add_token_stats.
     """
     if type(head) is torch.nn.Linear:
-        return linear_cross_entropy_sum(hidden, targets, head, chunk)
+        return linear_cross_entropy_sum(hidden, targets, head, chunk, stats)
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(hidden.device)
     total = None
     for start in chunk_starts(t, chunk):
-        part = checkpoint(_chunk_ce_sum, h[start : start + chunk], t[start : start + chunk], head, use_reentrant=False)
+        part = checkpoint(_chunk_ce_sum, h[start : start + chunk], t[start : start + chunk], head, stats, [True],
+                          use_reentrant=False)
         total = part if total is None else total + part
     return total

@@ -40,6 +40,8 @@ class CPState:
     denominator: object = None
     loss_sum: torch.Tensor | None = None
     attention_calls: set = field(default_factory=set)  # id() of the attention modules that ran this forward
+    want_token_stats: bool = False  # set by integrations whose metrics need them (HfcpSFTTrainer)
+    token_stats: torch.Tensor | None = None  # last forward with labels: (3,) fp64 [targets, top-1 hits, entropy sum]
 
     def __deepcopy__(self, memo):
         raise RuntimeError(

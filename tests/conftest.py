@@ -20,3 +20,11 @@ def pool4():
     pool = DistPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def pool1():
+    """One process with a (world 1) process group: the single-device reference of multi-process runs."""
+    pool = DistPool(1)
+    yield pool
+    pool.close()

@@ -81,6 +81,8 @@ def test_content_digest_changes_under_any_edit():
     ("logits_to_keep_tensor", "logits_to_keep=tensor("),
     ("input_ids_1d", "input_ids has shape (16,); hfcp needs (batch, seq)"),
     ("float_labels", "labels[:, 1:] has dtype torch.float32; pass integer token ids"),
+    ("fused_lm_head", "train with hfcp.integrations.HfcpSFTTrainer"),
+    ("cu_seq_lens_mismatch", "cu_seq_lens [0, 5, 16] and the position_ids resets describe different documents"),
 ])
 def test_misuse_is_refused_on_every_rank(pool2, kind, message):
     for msg in pool2.run(W.misuse, kind):

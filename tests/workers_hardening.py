@@ -143,6 +143,9 @@ def misuse(kind: str):
         "logits_to_keep_tensor": lambda: model(**batch, logits_to_keep=torch.arange(16)),
         "input_ids_1d": lambda: model(input_ids=batch["input_ids"][0], labels=batch["labels"][0]),
         "float_labels": lambda: model(input_ids=batch["input_ids"], labels=batch["labels"].float()),
+        "fused_lm_head": lambda: model(**batch, fused_lm_head=True),
+        "cu_seq_lens_mismatch": lambda: model(input_ids=batch["input_ids"][:1], position_ids=torch.arange(16)[None],
+                                              cu_seq_lens_q=torch.tensor([0, 5, 16]), labels=batch["labels"][:1]),
     }
     return _raises(calls[kind], ValueError)
 

@@ -1,0 +1,209 @@
+"""HfcpTrainer: the stock `transformers.Trainer` with context parallelism.
+
+What changes against the parent, and why:
+- data: every dataloader is sharded over data-parallel groups (CP groups), not processes, so every rank of a
+  CP group gets the same batch (accelerate's own sharding would give each rank another one);
+- loss: hfcp's global token-weighted loss with the Trainer's `num_items_in_batch`; the loss is scaled by the
+  number of DP groups (not processes) before DDP averages the gradients over all processes, because the mean of
+  the gradients over a CP group is already the gradient of that group's loss (DESIGN.md "Gradients");
+- counters: tokens seen and FLOPs count each DP group once, the total batch size is per DP group;
+- evaluate / predict: sequence outputs are gathered whole (original order and length), and the gathered
+  arrays keep one copy per DP group, so they equal those of one process.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import recursively_apply
+from transformers import Trainer
+
+from ..data import data_parallel_rank_and_size
+from ..patch import cp_state, gather_sequence, patch
+
+log = logging.getLogger("hfcp")
+
+
+class HfcpTrainerMixin:
+    """The overrides shared by HfcpTrainer and HfcpSFTTrainer; put it before the Trainer class in the bases."""
+
+    def _hfcp_init(self, patch_options: dict) -> None:
+        """After the parent's __init__ (the process group exists then): patch the model, refuse what is not exact."""
+        self._hfcp_refuse_unsupported()
+        if cp_state(self.model) is None:
+            patch(self.model, **patch_options)
+        else:
+            log.info("hfcp: the model is patched already; HfcpTrainer keeps its settings")
+        self._install_dp_data_loader()
+
+    def _hfcp_refuse_unsupported(self) -> None:
+        args = self.args
+        problems = []
+        if getattr(self, "model_init", None) is not None:
+            problems.append("model_init (pass the model itself)")
+        if args.label_smoothing_factor:
+            problems.append(f"label_smoothing_factor={args.label_smoothing_factor} (hfcp's chunked loss has no "
+                            "label smoothing; set it to 0)")
+        if self.compute_loss_func is not None:
+            problems.append("compute_loss_func (it would see this rank's local logits only; hfcp computes the "
+                            "causal-LM loss over the whole sequence)")
+        if args.fsdp or args.deepspeed:
+            problems.append("FSDP / DeepSpeed (not supported with HfcpTrainer yet)")
+        if getattr(args, "parallelism_config", None) is not None:
+            problems.append("parallelism_config (accelerate's own CP/TP/SP; hfcp provides the context parallelism)")
+        if args.accelerator_config.dispatch_batches:
+            problems.append("accelerator_config.dispatch_batches=True (rank 0 would dispatch one batch per process; "
+                            "hfcp needs one per CP group: leave it unset)")
+        if problems:
+            raise ValueError(f"{type(self).__name__} cannot run exactly with: {'; '.join(problems)}")
+
+    # ---- data over DP groups -------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if cp_state(getattr(self, "model", None)) is not None:  # re-created by train(): keep the DP sharding
+            self._install_dp_data_loader()
+
+    def _install_dp_data_loader(self) -> None:
+        self.accelerator.prepare_data_loader = self._prepare_dp_data_loader
+
+    def _prepare_dp_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """accelerate's prepare_data_loader with DP-group coordinates: ranks of one CP group get the same batches."""
+        acc = self.accelerator
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return data_loader
+        dp_rank, dp_size = data_parallel_rank_and_size(self.model)
+        prepared = prepare_data_loader(
+            data_loader, acc.device, num_processes=dp_size, process_index=dp_rank, split_batches=acc.split_batches,
+            put_on_device=acc.device_placement if device_placement is None else device_placement,
+            rng_types=acc.rng_types.copy(), dispatch_batches=False, even_batches=acc.even_batches,
+            use_seedable_sampler=acc.use_seedable_sampler, data_seed=acc.dataloader_config.data_seed,
+            non_blocking=acc.non_blocking, use_stateful_dataloader=acc.use_stateful_dataloader,
+        )
+        acc._dataloaders.append(prepared)  # as Accelerator.prepare_data_loader does (state saving)
+        return prepared
+
+    @property
+    def _hfcp_cp(self) -> tuple[int, int]:
+        """(cp_rank, cp_size) of this process; (0, 1) without CP."""
+        state = cp_state(self.model)
+        return (state.mesh.cp_rank, state.mesh.cp_size) if state is not None else (0, 1)
+
+    def get_cp_size(self) -> int:
+        """Ranks that share one batch: the Trainer divides gathered counts and the world size by it."""
+        return self._hfcp_cp[1]
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        # the one place (private in transformers 5) that counts targets for training and evaluation alike
+        num_items = super()._get_num_items_in_batch(batch_samples, device)
+        if num_items is not None and not self.args.average_tokens_across_devices:
+            num_items = num_items * self.get_cp_size()  # a local count: the parent divided it by cp all the same
+        return num_items
+
+    # ---- loss -----------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """hfcp's loss (equal on every rank of a CP group), scaled by the number of DP groups when it is normalised
+        by the count of targets over all of them (DDP then averages over all processes)."""
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
+        outputs = model(**inputs)
+        if isinstance(outputs, dict) and outputs.get("loss") is None:
+            raise ValueError(f"the model returned no loss (inputs: {sorted(inputs)}); pass labels")
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        if self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss = loss * (self.args.world_size // self.get_cp_size())
+        return (loss, outputs) if return_outputs else loss
+
+    # ---- counters -------------------------------------------------------------------------------------------
+    def _track_num_input_tokens(self, inputs):
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)  # gathered over all processes: each CP group counted cp times
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.get_cp_size()
+
+    def floating_point_ops(self, inputs) -> int:
+        return super().floating_point_ops(inputs) if self._hfcp_cp[0] == 0 else 0  # summed over processes
+
+    # ---- evaluate / predict ---------------------------------------------------------------------------------
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The parent's step with whole-sequence outputs, no target from a sample repeated to even out the last
+        batch, and the loss of the whole step (all DP groups) on every rank: the gathered losses are then
+        truncated to the samples of the dataset, as they are for one process."""
+        if cp_state(model) is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        inputs = self._without_repeated_targets(inputs)
+        call = model
+        if not prediction_loss_only:
+            def call(**kwargs):  # the parent only calls the model: give it whole-sequence outputs
+                return gather_outputs(model(**kwargs), model)
+
+        loss, logits, labels = super().prediction_step(call, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if loss is not None and self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs:
+            loss = self.accelerator.reduce(loss, "sum") / self.args.world_size  # dp * S_d / N -> sum_d S_d / N
+        return loss, logits, labels
+
+    def _without_repeated_targets(self, inputs):
+        """In the last batch, accelerate repeats samples so that every DP group gets a full batch; they are
+        dropped from the gathered arrays, and here from the loss (labels -100), as one process never sees them."""
+        gs, labels = self.accelerator.gradient_state, inputs.get("labels")
+        if not gs.end_of_dataloader or gs.remainder <= 0 or labels is None or self.accelerator.split_batches:
+            return inputs
+        dp_rank, _ = data_parallel_rank_and_size(self.model)
+        b = labels.shape[0]
+        repeated = torch.arange(dp_rank * b, (dp_rank + 1) * b, device=labels.device) >= gs.remainder
+        if not bool(repeated.any()):
+            return inputs
+        return {**inputs, "labels": labels.masked_fill(repeated.view(-1, *[1] * (labels.dim() - 1)), -100)}
+
+    def evaluation_loop(self, *args, **kwargs):
+        if cp_state(self.model) is not None:
+            self.gather_function = self._gather_once_per_dp_group  # the parent resets it at the end
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_once_per_dp_group(self, data):
+        """accelerate's gather_for_metrics, keeping one copy per CP group (every rank of it holds the same)."""
+        acc = self.accelerator
+        cp = self.get_cp_size()
+        world = self.args.world_size
+
+        def first_of_each_group(t):  # (world * n, ...) in rank order -> (dp * n, ...)
+            return t.reshape(world, -1, *t.shape[1:])[::cp].reshape(-1, *t.shape[1:])
+
+        data = recursively_apply(first_of_each_group, acc.gather(data))
+        remainder = acc.gradient_state.remainder
+        if acc.gradient_state.end_of_dataloader and remainder > 0:  # drop the samples repeated to even batches
+            data = recursively_apply(lambda t: t[:remainder], data)
+        return data
+
+
+def gather_outputs(outputs, model):
+    """Replace the local sequence tensors of a model output (those hfcp stamped) by the whole sequences."""
+    def whole(v):
+        if isinstance(v, tuple):
+            return tuple(whole(x) for x in v)
+        if isinstance(v, torch.Tensor) and getattr(v, "hfcp_step", None) is not None:
+            return gather_sequence(v, model)
+        return v
+
+    if isinstance(outputs, tuple):
+        return whole(outputs)
+    for key in list(outputs.keys()):
+        outputs[key] = whole(outputs[key])
+    return outputs
+
+
+class HfcpTrainer(HfcpTrainerMixin, Trainer):
+    """`transformers.Trainer` for a context-parallel model: every argument of Trainer, plus hfcp.patch's options.
+
+    Args:
+        cp_size, strategy, loss_chunk, timeout, check_inputs: passed to `hfcp.patch` when the model is not patched
+            yet (a model patched already keeps its settings).
+    Raises:
+        ValueError: settings hfcp cannot make exact (label smoothing, compute_loss_func, FSDP/DeepSpeed,
+            parallelism_config, dispatch_batches, model_init).
+    """
+
+    def __init__(self, *args, cp_size: int | None = None, strategy: str = "ring", loss_chunk="auto", timeout=None,
+                 check_inputs: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
+                             check_inputs=check_inputs))

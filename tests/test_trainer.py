@@ -1,0 +1,89 @@
+"""HfcpTrainer: 1 process vs 2 (cp 2) and 4 (dp 2 x cp 2) processes give the same logged run."""
+import pytest
+import torch
+
+import workers_trainer as W
+
+KEYS = ("loss", "grad_norm", "learning_rate", "num_input_tokens_seen", "eval_loss", "total_flos")
+
+
+def assert_same_run(got, ref, tol=2e-5):
+    assert len(got["history"]) == len(ref["history"]), (got["history"], ref["history"])
+    for g, r in zip(got["history"], ref["history"]):
+        assert g.keys() == r.keys(), (g, r)
+        for k in g:
+            assert abs(g[k] - r[k]) <= tol * max(1.0, abs(r[k])), (k, g, r)
+    assert abs(got["eval_loss"] - ref["eval_loss"]) <= tol * abs(ref["eval_loss"])
+    assert got["predictions"].shape == ref["predictions"].shape, (got["predictions"].shape, ref["predictions"].shape)
+    assert float((got["predictions"] - ref["predictions"]).abs().max()) < 1e-4
+    assert torch.equal(got["label_ids"], ref["label_ids"])
+    assert got["total_batch"] == ref["total_batch"]
+
+
+@pytest.fixture(scope="module")
+def reference(pool1):
+    return {accum: pool1.run(W.train_run, 4, None, "ring", False, {"gradient_accumulation_steps": accum})[0] for accum in (1, 2)}
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+def test_cp2_equals_one_process(pool2, reference, strategy):
+    for got in pool2.run(W.train_run, 4, None, strategy):
+        assert_same_run(got, reference[1])
+
+
+def test_dp2_cp2_equals_one_process_with_the_global_batch(pool4, reference):
+    for got in pool4.run(W.train_run, 2, 2):
+        assert_same_run(got, reference[1])
+
+
+def test_gradient_accumulation_dp2_cp2(pool4, reference):
+    for got in pool4.run(W.train_run, 2, 2, "ring", False, {"gradient_accumulation_steps": 2}):
+        assert_same_run(got, reference[2])
+
+
+def test_iterable_dataset_dp2_cp2(pool4, pool1):
+    ref = pool1.run(W.train_run, 4, None, "ring", True)[0]
+    for got in pool4.run(W.train_run, 2, 2, "ring", True):
+        assert_same_run(got, ref)
+
+
+def test_resume_continues_the_same_losses(pool4):
+    for runs in pool4.run(W.resume_run, "w4", 2):
+        straight, resumed = dict(runs["straight"]), dict(runs["resumed"])
+        assert sorted(straight) == list(range(1, 9)) and sorted(resumed) == list(range(1, 9)), runs
+        for step in (6, 7, 8):  # trained after the resume
+            assert abs(resumed[step] - straight[step]) <= 1e-5 * abs(straight[step]), runs
+
+
+def test_bf16_trainer_matches_the_unpatched_model_within_bf16(pool1, pool2):
+    ref = pool1.run(W.bf16_run, 4)[0]
+    for got in pool2.run(W.bf16_run, 4):
+        for g, r in zip(got["history"], ref["history"]):
+            for k in g:
+                assert abs(g[k] - r[k]) <= 2e-2 * max(1.0, abs(r[k])), (k, g, r)
+        assert abs(got["eval_loss"] - ref["eval_loss"]) < 2e-2
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("stock_trainer", "train with hfcp.integrations.HfcpTrainer"),
+    ("label_smoothing", "label_smoothing_factor=0.1"),
+    ("compute_loss_func", "compute_loss_func"),
+    ("dispatch_batches", "dispatch_batches=True"),
+])
+def test_unsupported_settings_are_refused(pool2, kind, message):
+    for msg in pool2.run(W.refused, kind):
+        assert msg and message in msg, msg
+
+
+def test_saved_model_loads_without_hfcp(pool2):
+    assert pool2.run(W.save_and_reload)[0] == '["sdpa", false]'
+
+
+def test_padding_free_collator_is_exact(pool1, pool2):
+    ref = pool1.run(W.flattened_run, 4)[0]
+    for got in pool2.run(W.flattened_run, 4):
+        assert len(got["history"]) == len(ref["history"])
+        for g, r in zip(got["history"], ref["history"]):
+            for k in g:
+                assert abs(g[k] - r[k]) <= 2e-5 * max(1.0, abs(r[k])), (k, g, r)
+        assert abs(got["eval_loss"] - ref["eval_loss"]) <= 2e-5 * ref["eval_loss"]

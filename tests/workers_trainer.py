@@ -1,0 +1,232 @@
+"""Workers for HfcpTrainer / HfcpSFTTrainer tests: the same training run with 1, 2 (cp 2) or 4 (dp 2 x cp 2)
+processes; each returns what the Trainer logged and predicted."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from workers_model import tiny_model
+
+L = 24
+
+
+class Rows(torch.utils.data.Dataset):
+    """n rows of L tokens; some rows padded (labels -100 there), some labels ignored."""
+
+    def __init__(self, n: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.rows = []
+        for i in range(n):
+            ids = torch.randint(0, 64, (L,), generator=g)
+            mask = torch.ones(L, dtype=torch.long)
+            if i % 3 == 1:
+                mask[L - 1 - i % 7 :] = 0
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[: i % 5] = -100
+            self.rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+class IterableRows(torch.utils.data.IterableDataset):
+    def __init__(self, n: int, seed: int = 0):
+        self.rows = Rows(n, seed)
+
+    def __iter__(self):
+        return iter(self.rows.rows)
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=False)  # a new Trainer may change mixed precision
+
+
+def _args(out, per_device, **overrides):
+    from transformers import TrainingArguments
+
+    kw = dict(output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
+              max_steps=4, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=1, logging_steps=1,
+              report_to=[], save_strategy="no", seed=0, data_seed=0, max_grad_norm=1.0,
+              include_num_input_tokens_seen="all", disable_tqdm=True, use_cpu=True, dataloader_drop_last=False)
+    kw.update(overrides)
+    return TrainingArguments(**kw)
+
+
+def _history(trainer):
+    keys = ("loss", "grad_norm", "learning_rate", "num_input_tokens_seen", "eval_loss", "total_flos")
+    return [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history]
+
+
+def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, overrides=None):
+    """Train 4 steps, evaluate, predict. per_device is the batch of each DP group (1 process: the global batch)."""
+    from hfcp.integrations import HfcpTrainer
+
+    _reset_accelerate()
+    model = tiny_model("llama")
+    data = IterableRows(24) if iterable else Rows(24)
+    with tempfile.TemporaryDirectory() as out:
+        args = _args(out, per_device, **(overrides or {}))
+        trainer = HfcpTrainer(model=model, args=args, train_dataset=data, eval_dataset=Rows(10, seed=1),
+                              cp_size=cp_size, strategy=strategy)
+        trainer.train()
+        metrics = trainer.evaluate()
+        pred = trainer.predict(Rows(5, seed=2))
+    return {"history": _history(trainer), "eval_loss": metrics["eval_loss"],
+            "predictions": torch.as_tensor(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids),
+            "total_batch": trainer.get_total_train_batch_size(trainer.args)}
+
+
+def resume_run(world_tag: str, cp_size=None):
+    """8 steps straight, and 8 steps as 5 + resume from the checkpoint at step 5: the same losses."""
+    from hfcp.integrations import HfcpTrainer
+
+    per_device = 4 if dist.get_world_size() < 4 else 2
+    out = os.path.join(tempfile.gettempdir(), f"hfcp-resume-{world_tag}")
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+    dist.barrier()
+    runs = {}
+    for name, resume in (("straight", None), ("resumed", os.path.join(out, "checkpoint-5"))):
+        _reset_accelerate()
+        args = _args(out, per_device, max_steps=8, save_strategy="steps", save_steps=5)
+        trainer = HfcpTrainer(model=tiny_model("llama", seed=0), args=args, train_dataset=Rows(24), cp_size=cp_size)
+        trainer.train(resume_from_checkpoint=resume)
+        runs[name] = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    return runs
+
+
+def bf16_run(per_device: int, cp_size=None):
+    """Trainer(bf16=True): autocast through accelerate."""
+    return train_run(per_device, cp_size, "ring", False, {"bf16": True})
+
+
+def refused(kind: str):
+    from transformers import Trainer
+
+    from hfcp.integrations import HfcpTrainer
+
+    _reset_accelerate()
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            if kind == "stock_trainer":
+                import hfcp
+
+                model = hfcp.patch(tiny_model("llama"))
+                Trainer(model=model, args=_args(out, 2), train_dataset=Rows(8)).train()
+            elif kind == "label_smoothing":
+                HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, label_smoothing_factor=0.1))
+            elif kind == "compute_loss_func":
+                HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2), compute_loss_func=lambda *a, **k: 0)
+            elif kind == "dispatch_batches":
+                HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, accelerator_config={"dispatch_batches": True}))
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def save_and_reload():
+    """The checkpoint a patched run saves loads without hfcp, with the original attention implementation."""
+    import subprocess
+    import sys
+
+    from hfcp.integrations import HfcpTrainer
+
+    _reset_accelerate()
+    out = os.path.join(tempfile.gettempdir(), "hfcp-save-reload")
+    trainer = HfcpTrainer(model=tiny_model("llama"), args=_args(out, 4, max_steps=2), train_dataset=Rows(8))
+    trainer.train()
+    trainer.save_model(out)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return None
+    code = ("import sys, json, transformers; m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+            "print(json.dumps([m.config._attn_implementation, 'hfcp' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", code, out], capture_output=True, text=True, timeout=120)
+    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 else done.stderr[-2000:]
+
+
+class VariableRows(torch.utils.data.Dataset):
+    """Rows of different lengths for a padding-free (flattening) collator."""
+
+    def __init__(self, n: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.rows = [torch.randint(0, 64, (int(torch.randint(5, 20, (1,), generator=g)),), generator=g).tolist()
+                     for _ in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def flattened_run(per_device: int, cp_size=None):
+    from transformers import DataCollatorWithFlattening
+
+    from hfcp.integrations import HfcpTrainer
+
+    _reset_accelerate()
+    with tempfile.TemporaryDirectory() as out:
+        args = _args(out, per_device, prediction_loss_only=True)
+        trainer = HfcpTrainer(model=tiny_model("llama"), args=args, train_dataset=VariableRows(24),
+                              eval_dataset=VariableRows(8, seed=1),
+                              data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True),
+                              cp_size=cp_size)
+        trainer.train()
+        return {"history": _history(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def word_tokenizer():
+    """A 64-word tokenizer (t0..t59 and 4 specials) for the tiny model's vocabulary, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(60)} | {"<pad>": 60, "<eos>": 61, "<bos>": 62, "<unk>": 63}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   unk_token="<unk>")
+
+
+def prompt_completion(n: int, seed: int):
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    words = lambda k: " ".join(f"t{int(i)}" for i in torch.randint(0, 60, (k,), generator=g))  # noqa: E731
+    rows = [{"prompt": words(int(torch.randint(3, 12, (1,), generator=g))),
+             "completion": words(int(torch.randint(2, 14, (1,), generator=g)))} for _ in range(n)]
+    return datasets.Dataset.from_list(rows)
+
+
+def sft_run(per_device: int, cp_size=None, overrides=None):
+    from trl import SFTConfig
+
+    from hfcp.integrations import HfcpSFTTrainer
+
+    _reset_accelerate()
+    with tempfile.TemporaryDirectory() as out:
+        kw = dict(output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
+                  max_steps=4, learning_rate=3e-3, warmup_steps=1, logging_steps=1, report_to=[], save_strategy="no",
+                  seed=0, data_seed=0, bf16=False, use_cpu=True, disable_tqdm=True, max_length=32,
+                  include_num_input_tokens_seen="non_padding")  # padding differs per DP group
+        kw.update(overrides or {})
+        trainer = HfcpSFTTrainer(model=tiny_model("llama"), args=SFTConfig(**kw), processing_class=word_tokenizer(),
+                                 train_dataset=prompt_completion(24, 0), eval_dataset=prompt_completion(10, 1),
+                                 cp_size=cp_size)
+        trainer.train()
+        metrics = trainer.evaluate()
+    keys = ("loss", "grad_norm", "learning_rate", "num_input_tokens_seen", "mean_token_accuracy", "entropy",
+            "num_tokens")
+    history = [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+    return {"history": history, "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and
+                                         k.split("_", 1)[1] in ("loss", "mean_token_accuracy", "entropy")}}
