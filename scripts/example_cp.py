@@ -1,4 +1,5 @@
 """Small end-to-end example: a tiny Llama, one long sequence, loss and gradients under CP equal to one device.
+(The training forward uses hfcp's chunked loss, so out.logits is None: hfcp never builds the whole logits.)
 
     accelerate launch --multi_gpu --num_processes 2 scripts/example_cp.py --seq-len 2048
     python scripts/example_cp.py            # one process: runs unchanged
@@ -37,7 +38,9 @@ def main():
         acc.backward(out.loss)
         opt.step()
         opt.zero_grad()
-        acc.print(f"step {step}: loss {out.loss.item():.5f}  local tokens {out.logits.shape[1]}  "
+        state = hfcp.cp_state(model)  # None in one process: the model runs unchanged
+        local = state.step.layout.local_len if state is not None else ids.shape[1]
+        acc.print(f"step {step}: loss {out.loss.item():.5f}  local tokens {local} of {ids.shape[1]}  "
                   f"{time.perf_counter() - t:.2f}s  (processes: {acc.num_processes})")
 
 

@@ -1,4 +1,5 @@
-"""LoRA fine-tuning on long documents, context-parallel with hfcp, launched with accelerate.
+"""LoRA fine-tuning on long documents, context-parallel with hfcp, on hfcp.integrations.HfcpTrainer (the stock
+transformers Trainer with each sequence split over a CP group), launched with accelerate.
 
     accelerate launch --multi_gpu --num_processes 2 scripts/finetune_lora.py
     python scripts/finetune_lora.py            # one process: the same losses
@@ -10,10 +11,8 @@ accuracy of those key characters, teacher-forced, on held-out documents).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
-import math
 import os
 import random
 import resource
@@ -101,13 +100,6 @@ def encode_docs(args, tok, texts):
     return [encode_document(tok, t) for t in texts]
 
 
-def batches_for_step(rows, step, micro, n_micro, batch_size, dp_rank, dp_size):
-    """Deterministic data order: optimizer step, micro-step -> the same rows on every rank of a CP group."""
-    start = ((step * n_micro + micro) * dp_size + dp_rank) * batch_size
-    picked = [rows[(start + i) % len(rows)] for i in range(batch_size)]
-    return {k: torch.stack([r[j] for r in picked]) for j, k in enumerate(("input_ids", "position_ids", "labels"))}
-
-
 @torch.no_grad()
 def long_range_accuracy(model, tok, args, device) -> float:
     """Teacher-forced accuracy on the tokens of the final key of held-out documents (the key is given only
@@ -135,19 +127,72 @@ def peak_mem_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class Rows(torch.utils.data.Dataset):
+    """Packed rows as the Trainer's dataset: input_ids, position_ids (a reset starts a document), labels."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return dict(zip(("input_ids", "position_ids", "labels"), self.rows[i]))
+
+
+def make_recorder(out_dir: Path, start_step: int, tokens_per_step: int, device, is_main: bool):
+    """A TrainerCallback: metrics.jsonl (step, loss, tokens_per_s, peak_mem_mb, lr per optimizer step) on the
+    main process, and a progress bar that shows them instead of printing every log line."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.file = open_metrics(out_dir / "metrics.jsonl", start_step) if is_main else None
+            self.bar, self.t0, self.step_s = None, None, None
+
+        def on_train_begin(self, args, state, control, **kw):
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, disable=not is_main, desc="train")
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_s = time.perf_counter() - self.t0
+            self.bar.update(1)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if "loss" not in (logs or {}):
+                return
+            record = {"step": state.global_step, "loss": logs["loss"], "tokens_per_s": tokens_per_step / self.step_s,
+                      "peak_mem_mb": peak_mem_mb(device), "lr": logs["learning_rate"]}
+            if self.file:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 mem_mb=f"{record['peak_mem_mb']:.0f}")
+
+        def on_train_end(self, args, state, control, **kw):
+            self.bar.close()
+            if self.file:
+                self.file.close()
+
+    return Recorder()
+
+
 def main(argv=None):
     args = parse_args(argv)
     texts = validate(args, int(os.environ.get("WORLD_SIZE", "1")))
-    from accelerate import Accelerator
     from peft import LoraConfig, get_peft_model
-    from tqdm.auto import tqdm
+    from transformers import TrainingArguments
+    from transformers.trainer_callback import ProgressCallback
 
     import hfcp
+    from hfcp.integrations import HfcpTrainer
 
-    acc = Accelerator(cpu=not torch.cuda.is_available())
     model, tok = load_model_and_tokenizer(args)
-    docs = encode_docs(args, tok, texts)
-    rows = pack(docs, args.seq_len)
+    rows = pack(encode_docs(args, tok, texts), args.seq_len)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # random-weight default: its embeddings carry no meaning yet, so they train too (a real checkpoint: LoRA only)
@@ -156,57 +201,35 @@ def main(argv=None):
                       modules_to_save=None if args.model else ["embed_tokens", "lm_head"])
     torch.manual_seed(args.seed)
     model = get_peft_model(model, lora)
-    hfcp.patch(model, cp_size=args.cp_size, strategy=args.strategy, loss_chunk=args.loss_chunk or None)
-    dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
-    warmup = max(1, min(50, args.max_steps // 10))  # linear warm-up, then cosine decay to 10%
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
-        0.55 + 0.45 * math.cos(math.pi * min(s, args.max_steps) / args.max_steps)))
-    start_step = 0
     out_dir = Path(args.output_dir)
-    if args.resume_from:
-        start_step = load_checkpoint(Path(args.resume_from), model, opt, sched)
-    # the scheduler stays unprepared: accelerate would step it once per process, but every rank of a CP
-    # group sees the same batch, so one optimizer step is one scheduler step
-    model, opt = acc.prepare(model, opt)
-
-    before = long_range_accuracy(model, tok, args, acc.device)
-    acc.print(f"hfcp: {acc.num_processes} processes, dp={dp_size} x cp={acc.num_processes // dp_size}, "
-              f"strategy={args.strategy}, {len(rows)} rows of {args.seq_len} tokens; key accuracy before: {before:.3f}")
+    training = TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
+        max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=max(1, min(50, args.max_steps // 10)),
+        max_grad_norm=1.0, weight_decay=0.0, logging_steps=1, save_strategy="steps",
+        save_steps=args.save_every or args.max_steps, seed=args.seed, data_seed=args.seed, report_to=[],
+        use_cpu=not torch.cuda.is_available(), dataloader_drop_last=False, ddp_find_unused_parameters=False,
+    )
+    trainer = HfcpTrainer(model=model, args=training, train_dataset=Rows(rows), cp_size=args.cp_size,
+                          strategy=args.strategy, loss_chunk=args.loss_chunk or None)
+    acc, device = trainer.accelerator, trainer.args.device
+    dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)
+    start_step = json.loads((Path(args.resume_from) / "trainer_state.json").read_text())["global_step"] \
+        if args.resume_from else 0
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = open_metrics(out_dir / "metrics.jsonl", start_step) if acc.is_main_process else None
-    bar = tqdm(range(start_step, args.max_steps), disable=not acc.is_main_process, desc="train")
-    for step in bar:
-        t0 = time.perf_counter()
-        loss_sum = 0.0
-        for m in range(args.grad_accum):
-            batch = {k: v.to(acc.device) for k, v in
-                     batches_for_step(rows, step, m, args.grad_accum, args.batch_size, dp_rank, dp_size).items()}
-            sync = m == args.grad_accum - 1  # DDP all-reduces once, on the last micro-step
-            with contextlib.nullcontext() if sync else acc.no_sync(model):
-                out = model(**batch)
-                acc.backward(out.loss / args.grad_accum)
-            loss_sum += out.loss.item() / args.grad_accum
-        acc.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        dt = time.perf_counter() - t0
-        tokens = args.seq_len * args.batch_size * args.grad_accum * dp_size
-        record = {"step": step + 1, "loss": loss_sum, "tokens_per_s": tokens / dt, "peak_mem_mb": peak_mem_mb(acc.device),
-                  "lr": sched.get_last_lr()[0]}
-        if metrics:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-        bar.set_postfix(loss=f"{loss_sum:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mem_mb=f"{record['peak_mem_mb']:.0f}")
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-            save_checkpoint(out_dir / f"checkpoint-{step + 1}", acc, model, opt, sched, step + 1)
-    save_checkpoint(out_dir / f"checkpoint-{args.max_steps}", acc, model, opt, sched, args.max_steps)
+    trainer.remove_callback(ProgressCallback)  # the recorder's bar shows loss, tokens/s and memory instead
+    trainer.add_callback(make_recorder(out_dir, start_step, args.seq_len * args.batch_size * args.grad_accum * dp_size,
+                                       device, acc.is_main_process))
+
+    before = long_range_accuracy(model, tok, args, device)
+    acc.print(f"hfcp: {acc.num_processes} processes, dp={dp_size} x cp={acc.num_processes // dp_size}, "
+              f"strategy={args.strategy}, {len(rows)} rows of {args.seq_len} tokens; key accuracy before: {before:.3f}")
+    trainer.train(resume_from_checkpoint=args.resume_from)
     if acc.is_main_process:
-        acc.unwrap_model(model).save_pretrained(out_dir / "adapter")
+        model.save_pretrained(out_dir / "adapter")
     same = adapter_identical_on_all_ranks(acc, model)
-    after = long_range_accuracy(model, tok, args, acc.device)
+    after = long_range_accuracy(model, tok, args, device)
     acc.print(f"key accuracy after: {after:.3f} (before {before:.3f}); adapter identical on all ranks: {same}; "
               f"adapter and metrics in {out_dir}")
     if acc.is_main_process:
@@ -235,31 +258,6 @@ def open_metrics(path: Path, start_step: int):
     f = open(path, "w")
     f.writelines(line + "\n" for line in kept)
     return f
-
-
-def save_checkpoint(path: Path, acc, model, opt, sched, step: int):
-    """Adapter, optimizer, scheduler, step and RNG states (main process writes; all ranks hold the same)."""
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        path.mkdir(parents=True, exist_ok=True)
-        acc.unwrap_model(model).save_pretrained(path / "adapter")
-        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    "rng": torch.get_rng_state(), "py_rng": random.getstate()}, path / "state.pt")
-        (path / "trainer_state.json").write_text(json.dumps({"step": step}))
-    acc.wait_for_everyone()
-
-
-def load_checkpoint(path: Path, model, opt, sched) -> int:
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    set_peft_model_state_dict(model, load_file(path / "adapter" / "adapter_model.safetensors"))
-    state = torch.load(path / "state.pt", weights_only=False)
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    random.setstate(state["py_rng"])
-    return json.loads((path / "trainer_state.json").read_text())["step"]
 
 
 def plot_losses(out_dir: Path):

@@ -3,6 +3,7 @@
 # Under 8 minutes on one GPU. Multi-GPU: add --cps 1 2 4 to the bench lines (NCCL, one process per GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: no CUDA GPU here (torch.cuda.is_available() is False); run it on a GPU machine')"
 python -m pytest -q -m gpu tests/test_gpu.py
 python scripts/bench.py --level attention --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_attention
 python scripts/bench.py --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_model

@@ -25,6 +25,16 @@ def sft_reference(pool1):
 def test_sft_cp2_equals_one_process(pool2, sft_reference):
     for got in pool2.run(W.sft_run, 4):
         assert_same(got, sft_reference)
+        # the same batches as one process (dp 1), so the same padding: predictions compare as arrays
+        assert got["predictions"].shape == sft_reference["predictions"].shape
+        assert float((got["predictions"] - sft_reference["predictions"]).abs().max()) < 1e-4
+        assert (got["label_ids"] == sft_reference["label_ids"]).all()
+
+
+def test_sft_packing_cp2_equals_one_process(pool1, pool2):
+    ref = pool1.run(W.sft_run, 2, None, {"packing": True, "max_length": 48})[0]
+    for got in pool2.run(W.sft_run, 2, None, {"packing": True, "max_length": 48}):
+        assert_same(got, ref)
 
 
 def test_sft_dp2_cp2_equals_one_process(pool4, sft_reference):

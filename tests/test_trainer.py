@@ -69,6 +69,7 @@ def test_bf16_trainer_matches_the_unpatched_model_within_bf16(pool1, pool2):
     ("label_smoothing", "label_smoothing_factor=0.1"),
     ("compute_loss_func", "compute_loss_func"),
     ("dispatch_batches", "dispatch_batches=True"),
+    ("split_batches", "split_batches=True"),
 ])
 def test_unsupported_settings_are_refused(pool2, kind, message):
     for msg in pool2.run(W.refused, kind):

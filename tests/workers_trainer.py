@@ -127,6 +127,8 @@ def refused(kind: str):
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, label_smoothing_factor=0.1))
             elif kind == "compute_loss_func":
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2), compute_loss_func=lambda *a, **k: 0)
+            elif kind == "split_batches":
+                HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, accelerator_config={"split_batches": True}))
             elif kind == "dispatch_batches":
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, accelerator_config={"dispatch_batches": True}))
         except ValueError as e:
@@ -225,8 +227,11 @@ def sft_run(per_device: int, cp_size=None, overrides=None):
                                  cp_size=cp_size)
         trainer.train()
         metrics = trainer.evaluate()
+        pred = trainer.predict(trainer.eval_dataset["eval"] if isinstance(trainer.eval_dataset, dict)
+                               else trainer.eval_dataset)
     keys = ("loss", "grad_norm", "learning_rate", "num_input_tokens_seen", "mean_token_accuracy", "entropy",
             "num_tokens")
     history = [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
     return {"history": history, "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and
-                                         k.split("_", 1)[1] in ("loss", "mean_token_accuracy", "entropy")}}
+                                         k.split("_", 1)[1] in ("loss", "mean_token_accuracy", "entropy")},
+            "predictions": torch.as_tensor(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids)}

@@ -52,6 +52,9 @@ class HfcpTrainerMixin:
             problems.append("FSDP / DeepSpeed (not supported with HfcpTrainer yet)")
         if getattr(args, "parallelism_config", None) is not None:
             problems.append("parallelism_config (accelerate's own CP/TP/SP; hfcp provides the context parallelism)")
+        if args.accelerator_config.split_batches:
+            problems.append("accelerator_config.split_batches=True (the Trainer would weight eval losses by the unsplit "
+                            "batch size; set per_device_train_batch_size to the batch of each CP group instead)")
         if args.accelerator_config.dispatch_batches:
             problems.append("accelerator_config.dispatch_batches=True (rank 0 would dispatch one batch per process; "
                             "hfcp needs one per CP group: leave it unset)")
@@ -131,11 +134,10 @@ class HfcpTrainerMixin:
         if cp_state(model) is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         inputs = self._without_repeated_targets(inputs)
-        call = model
-        if not prediction_loss_only:
-            def call(**kwargs):  # the parent only calls the model: give it whole-sequence outputs
-                return gather_outputs(model(**kwargs), model)
+        def whole_sequences(**kwargs):  # the parent only calls the model: give it whole-sequence outputs
+            return gather_outputs(model(**kwargs), model)
 
+        call = model if prediction_loss_only else whole_sequences
         loss, logits, labels = super().prediction_step(call, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if loss is not None and self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs:
             loss = self.accelerator.reduce(loss, "sum") / self.args.world_size  # dp * S_d / N -> sum_d S_d / N
@@ -145,7 +147,7 @@ class HfcpTrainerMixin:
         """In the last batch, accelerate repeats samples so that every DP group gets a full batch; they are
         dropped from the gathered arrays, and here from the loss (labels -100), as one process never sees them."""
         gs, labels = self.accelerator.gradient_state, inputs.get("labels")
-        if not gs.end_of_dataloader or gs.remainder <= 0 or labels is None or self.accelerator.split_batches:
+        if not gs.end_of_dataloader or gs.remainder <= 0 or labels is None:
             return inputs
         dp_rank, _ = data_parallel_rank_and_size(self.model)
         b = labels.shape[0]
@@ -199,7 +201,7 @@ class HfcpTrainer(HfcpTrainerMixin, Trainer):
             yet (a model patched already keeps its settings).
     Raises:
         ValueError: settings hfcp cannot make exact (label smoothing, compute_loss_func, FSDP/DeepSpeed,
-            parallelism_config, dispatch_batches, model_init).
+            parallelism_config, split_batches, dispatch_batches, model_init).
     """
 
     def __init__(self, *args, cp_size: int | None = None, strategy: str = "ring", loss_chunk="auto", timeout=None,

@@ -1,0 +1,46 @@
+"""Every script in scripts/ runs as the README documents it (tiny settings). finetune_lora.py: test_finetune.py;
+bench.py (and bench_step.py, which it launches): test_bench.py; smollm2_checkpoint.py: test_real_model.py."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def _run(cmd):
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_every_script_is_listed_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for script in sorted((ROOT / "scripts").glob("*.*")):
+        assert f"`scripts/{script.name}`" in readme, f"README does not list scripts/{script.name}"
+
+
+def test_example_cp_under_accelerate_equals_one_process():
+    one = _run([sys.executable, "scripts/example_cp.py", "--seq-len", "128", "--steps", "2"])
+    two = _run([*LAUNCH, "scripts/example_cp.py", "--seq-len", "128", "--steps", "2"])
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    losses = [re.findall(r"step (\d): loss ([\d.]+)\s+local tokens (\d+) of 128", r.stdout) for r in (one, two)]
+    assert len(losses[0]) == len(losses[1]) == 2, (one.stdout, two.stdout)
+    assert [x[1] for x in losses[0]] == [x[1] for x in losses[1]], losses  # same loss to 5 decimals
+    assert losses[0][0][2] == "128" and losses[1][0][2] == "64", losses
+
+
+def test_video_long_runs_and_matches_the_unpatched_loss():
+    r = _run([*LAUNCH, "scripts/video_long.py", "--frames", "16", "--image-size", "32"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "loss" in r.stdout and "peak" in r.stdout, r.stdout
+
+
+def test_gpu_check_is_valid_bash_and_refuses_without_a_gpu():
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    r = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    assert r.returncode != 0 and "no CUDA GPU here" in r.stderr, r.stderr[-2000:]
