@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .collectives import all_gather_no_grad
 
 BATCH_NAMES = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels",
-               "num_items_in_batch", "ignore_index", "cu_seq_lens_q", "cu_seq_lens_k")
+               "num_items_in_batch", "ignore_index", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 _BLOCK = 1 << 18  # words per weighted block
 _MASK64 = (1 << 64) - 1
 
@@ -90,8 +90,9 @@ def check_same_batch(kw: dict, group, names=BATCH_NAMES) -> None:
         raise ValueError(
             f"ranks of one CP group got different batches ({', '.join(which)}): global ranks "
             f"{[ranks[r] for r in differs]} differ from rank {ranks[0]}. Every rank of a CP group must get the same "
-            "full batch: split data over data-parallel groups with hfcp.data_parallel_rank_and_size(model), or train "
-            "with hfcp.integrations.HfcpTrainer, which does; pass check_inputs=False to hfcp.patch to skip this check"
+            "full batch: split data over data-parallel groups with hfcp.data_parallel_rank_and_size(model) (or train "
+            "with hfcp.integrations.HfcpTrainer, which does), and keep any randomness of the data pipeline the same on "
+            "every rank of a CP group; pass check_inputs=False to hfcp.patch to skip this check"
         )
 
 

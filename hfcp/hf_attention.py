@@ -24,6 +24,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             "shards the inputs (a submodule such as model.model called directly would see the whole sequence)"
         )
     state.attention_calls.add(id(module))
+    refuse_unimplemented(module, kwargs)
     if dropout:
         raise ValueError(f"attention dropout={dropout} cannot be made exact under CP; set config.attention_dropout=0")
     local = step.layout.local_len
@@ -37,9 +38,44 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     spec = MaskSpec(bool(causal), sliding_window)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = same_dtype(query, key, value, type(module).__name__)
+    query, key, value, v_dim = same_head_dim(query, key, value)
     with torch.autocast(query.device.type, enabled=False):  # the strategies choose their own precisions
         out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.mesh.cp_group)
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :v_dim].transpose(1, 2).contiguous(), None
+
+
+def same_head_dim(query, key, value):
+    """MLA families (DeepSeek-V2/V3, MiniCPM3, ...) have a value head dim other than the query/key one, which the
+    fused kernels refuse. Zero padding is exact: zero columns of q and k add nothing to q.k (the scale was taken
+    before), zero columns of v give output columns that are cut off again. Returns (q, k, v, value head dim)."""
+    dq, dv = query.shape[-1], value.shape[-1]
+    if dq == dv:
+        return query, key, value, dv
+    if dv < dq:
+        return query, key, torch.nn.functional.pad(value, (0, dq - dv)), dv
+    pad = (0, dv - dq)
+    return torch.nn.functional.pad(query, pad), torch.nn.functional.pad(key, pad), value, dv
+
+
+# Keyword arguments that carry nothing hfcp's attention needs: positions (the step holds the global ones), the
+# cache flag (the hook refuses a cache) and the loss's token count. Any other one is implemented or refused.
+IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache",
+                            "num_items_in_batch"})  # a loss keyword that some models also pass down to attention
+
+
+def refuse_unimplemented(module, kwargs: dict) -> None:
+    """Raises ValueError for an attention argument that would change the result and that hfcp does not implement
+    (logit softcapping, sinks, position biases, sparse indices, ...): dropping it would be silently wrong. A
+    None or False value changes nothing and passes. Every rank raises alike, at its first attention call."""
+    for name, value in kwargs.items():
+        if name in IGNORED_KWARGS or value is None or value is False:
+            continue
+        shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+        raise ValueError(
+            f"{type(module).__name__} passes {name}={shown} to its attention function, which hfcp's context-parallel "
+            f"attention does not implement: the result would be wrong, so this model is not supported by hfcp "
+            "(see README, Support matrix)"
+        )
 
 
 def same_dtype(query, key, value, name: str):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 IGNORE_INDEX = -100
+STATS_ROWS = 1024  # rows of logits per step of add_token_stats
 
 
 def chunk_starts(targets: torch.Tensor, chunk: int) -> list[int]:
@@ -35,12 +36,13 @@ def add_token_stats(logits: torch.Tensor, targets: torch.Tensor, stats: torch.Te
     of logits (n, V) with targets (n,): what token-accuracy and entropy metrics need, without keeping logits."""
     if stats is None:
         return
-    logits = logits.float()
-    valid = targets != IGNORE_INDEX
-    probs = torch.softmax(logits, dim=-1)
-    entropy = torch.logsumexp(logits, dim=-1) - torch.linalg.vecdot(probs, logits)  # (n,)
-    hits = (logits.argmax(-1) == targets) & valid
-    stats += torch.stack([valid.sum(), hits.sum(), (entropy * valid).sum()]).to(stats)
+    for start in range(0, logits.shape[0], STATS_ROWS):  # bounded temporaries for a whole local sequence too
+        part, t = logits[start : start + STATS_ROWS].float(), targets[start : start + STATS_ROWS]
+        valid = t != IGNORE_INDEX
+        probs = torch.softmax(part, dim=-1)
+        entropy = torch.logsumexp(part, dim=-1) - torch.linalg.vecdot(probs, part)  # (n,)
+        hits = (part.argmax(-1) == t) & valid
+        stats += torch.stack([valid.sum(), hits.sum(), (entropy * valid).sum()]).to(stats)
 
 
 class LinearCrossEntropy(torch.autograd.Function):

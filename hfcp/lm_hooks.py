@@ -48,6 +48,9 @@ def check_call(kw: dict) -> None:
         raise ValueError("fused_lm_head=True runs the model's backbone around hfcp (each rank would attend within its "
                          "own shard only); train with hfcp.integrations.HfcpSFTTrainer, whose loss and metrics go "
                          "through hfcp's chunked loss")
+    if kw.get("output_router_logits"):
+        raise ValueError("output_router_logits=True: the MoE router auxiliary loss would be taken over a rank's tokens "
+                         "only (hfcp does not compute it from whole-sequence statistics yet); leave it off")
     keep = kw.get("logits_to_keep", 0)
     if isinstance(keep, torch.Tensor) or keep not in (0, None):
         raise ValueError(f"logits_to_keep={keep!r} is not supported by hfcp (only 0: all logits); take the positions "
@@ -98,12 +101,19 @@ def check_lm_batch(module, kw: dict, causal_lm: bool):
 
 
 def take_packed_lengths(kw: dict, batch: int, length: int) -> None:
-    """Padding-free collators (DataCollatorWithFlattening) pass `cu_seq_lens_q/k` and `max_length_q/k` for
-    flash attention beside position_ids. hfcp finds documents from position_ids (as transformers' SDPA path does),
+    """Padding-free collators (DataCollatorWithFlattening, TRL's) pass `cu_seq_lens_q/k` and `max_length_q/k` for
+    flash attention, or `seq_idx`, beside position_ids. hfcp finds documents from position_ids (as transformers' SDPA path does),
     so it checks that both describe the same documents, fills position_ids when only the lengths are given, and
     pops them (they describe the whole sequence, not a rank's shard)."""
     cu_q, cu_k = kw.pop("cu_seq_lens_q", None), kw.pop("cu_seq_lens_k", None)
     kw.pop("max_length_q", None), kw.pop("max_length_k", None)
+    seq_idx = kw.pop("seq_idx", None)  # (B, L) document index of each token (TRL's padding-free collator)
+    if seq_idx is not None:
+        starts = torch.diff(seq_idx.cpu(), dim=-1) != 0
+        pos = kw.get("position_ids")
+        if pos is None or not torch.equal(starts, torch.diff(document_ids(pos.cpu().expand_as(seq_idx)), dim=-1) != 0):
+            raise ValueError("seq_idx and the position_ids resets describe different documents (or position_ids are "
+                             "missing); hfcp finds packed documents from position_ids")
     if cu_q is None and cu_k is None:
         return
     cu = cu_q if cu_q is not None else cu_k

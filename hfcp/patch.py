@@ -1,6 +1,7 @@
 """hfcp.patch / hfcp.unpatch / hfcp.gather_sequence: the one-line surgery and its inverse."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ from transformers.models.auto import modeling_auto
 from .attention import STRATEGIES, check_heads
 from .collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
+from .introspect import interface_attention_classes, logits_postprocessed, other_mixers, unsupported_config
 from . import vision_hooks
 from .lm_hooks import ShardSequenceHook
 from .layout import StepBatch
@@ -72,14 +74,36 @@ _HEADS = {  # transformers' auto mappings -> how hfcp treats the head
 }
 
 
+def patcher_for(inner: PreTrainedModel) -> Patcher:
+    """The model type's Patcher; for a family registered with read_from_model, its attention classes read from
+    this model, which must mix tokens through them alone.
+
+    Raises:
+        UnsupportedModelError: no record, a known refusal, or a model that needs what hfcp does not implement.
+    """
+    patcher = REGISTRY.lookup(inner.config.model_type)
+    reason = unsupported_config(inner.config.get_text_config())
+    if patcher.read_from_model:
+        classes = interface_attention_classes(inner)
+        reason = reason or (None if classes else "none of its modules computes attention through transformers' "
+                            "AttentionInterface (its sequence mixing happens elsewhere)")
+        reason = reason or other_mixers(inner, classes)
+        patcher = dataclasses.replace(patcher, attention_classes=classes, read_from_model=False)
+    if reason is not None:
+        raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}) is not "
+                                    f"supported by hfcp: {reason}")
+    return patcher
+
+
 def _head_kind(model: PreTrainedModel, model_type: str, token_model: bool) -> str:
+    names = [c.__name__ for c in type(model).__mro__]  # FSDP2 swaps in a dynamic subclass (FSDPLlamaForCausalLM)
     name = type(model).__name__
     allowed = ("classification", "base") if token_model else ("causal_lm", "base")
     supported = []
     for kind in allowed:
         for mapping in _HEADS[kind]:
             cls = getattr(modeling_auto, mapping).get(model_type)
-            if cls == name:
+            if cls is not None and cls in names:
                 return kind
             if cls is not None:
                 supported.append(cls)
@@ -116,8 +140,13 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         raise ValueError(f"strategy={strategy!r} is not one of {sorted(STRATEGIES)}")
     inner = find_pretrained(model)
     model_type = inner.config.model_type
-    patcher = REGISTRY.lookup(model_type)  # raises on every rank before any collective
+    patcher = patcher_for(inner)  # raises on every rank before any collective
     head = _head_kind(inner, model_type, token_model=bool(patcher.embeddings_classes))
+    chunk = loss_chunk if head == "causal_lm" else None
+    if chunk is not None and logits_postprocessed(inner):
+        log.info("hfcp: %s changes its logits after the output head; its loss is computed from those logits "
+                 "(loss_chunk=None)", type(inner).__name__)
+        chunk = None
     if not isinstance(check_inputs, bool):
         raise ValueError(f"check_inputs={check_inputs!r} must be True or False")
     settings = dict(cp_size=cp_size, strategy=strategy, process_group=process_group, timeout=as_timedelta(timeout),
@@ -152,7 +181,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     register_with_transformers()
     state = CPState(mesh, strategy, patcher, head,
                     original_attn=inner.config._attn_implementation, settings=settings,
-                    check_inputs=check_inputs, loss_chunk=loss_chunk if head == "causal_lm" else None,
+                    check_inputs=check_inputs, loss_chunk=chunk,
                     modules=modules)
     inner.set_attn_implementation(KEY)
     inner._hfcp_state = state

@@ -23,6 +23,8 @@ class Patcher:
         pooler_output_is_first_token: the base model's `pooler_output` is token 0 of its last_hidden_state,
             taken in forward code (no pooler module); hfcp replaces it with the global token 0.
         unsupported_reason: set for a known model_type that cannot be made exact; lookups raise with it.
+        read_from_model: the attention classes are read from the model at patch time (a family the family sweep
+            showed exact; see patches/verified.py), and the model is checked for other sequence mixers.
     """
 
     model_type: str
@@ -34,6 +36,7 @@ class Patcher:
     first_token_pooler: bool = False
     pooler_output_is_first_token: bool = False
     unsupported_reason: str | None = None
+    read_from_model: bool = False
 
 
 _HOW_TO_REGISTER = (
@@ -55,6 +58,9 @@ class _Registry:
                 "pass replace=True to override it"
             )
         self._patchers[patcher.model_type] = patcher
+
+    def get(self, model_type: str) -> Patcher | None:
+        return self._patchers.get(model_type)
 
     def lookup(self, model_type: str) -> Patcher:
         patcher = self._patchers.get(model_type)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import weakref
 
+import torch
+
 from accelerate.hooks import ModelHook, add_hook_to_module
 
 from .checks import check_same_batch
@@ -80,6 +82,7 @@ class CheckPixelsHook(ModelHook):
     def post_forward(self, module, output):
         st = self.state
         check_attention_ran(st, module)
+        stamp_local_sequences(output, st)
         if st.head != "base":
             return output
         with_module = st.patcher.first_token_pooler and getattr(module, "pooler", None) is not None
@@ -92,6 +95,17 @@ class CheckPixelsHook(ModelHook):
             return (output[0], pooled, *output[2:])
         output["pooler_output"] = pooled
         return output
+
+
+def stamp_local_sequences(output, state) -> None:
+    """Tag the outputs that stay local (a base model's last_hidden_state, any model's hidden_states) with their
+    step, so that gather_sequence (and HfcpTrainer's predictions) know them from whole tensors."""
+    get = (lambda k: None) if isinstance(output, tuple) else output.get
+    local = [] if state.head != "base" else [get("last_hidden_state")]
+    local += list(get("hidden_states") or ())
+    for t in local:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == state.step.layout.local_len:
+            t.hfcp_step = state.step
 
 
 class GatherForHeadHook(ModelHook):

@@ -36,14 +36,15 @@ def _worker(rank, world, port, tasks, results):
 class DistPool:
     """`run(fn, *args)` calls fn(*args) on every rank and returns the list of results in rank order."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, daemon: bool = True):
+        """daemon=False lets the workers start processes of their own (DataLoader workers); close() then matters."""
         ctx = mp.get_context("spawn")
         self.world = world
         port = _free_port()
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=daemon)
             for r in range(world)
         ]
         for p in self.procs:

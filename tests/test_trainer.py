@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import workers_trainer as W
+from dist_pool import DistPool
 
 KEYS = ("loss", "grad_norm", "learning_rate", "num_input_tokens_seen", "eval_loss", "total_flos")
 
@@ -70,6 +71,7 @@ def test_bf16_trainer_matches_the_unpatched_model_within_bf16(pool1, pool2):
     ("compute_loss_func", "compute_loss_func"),
     ("dispatch_batches", "dispatch_batches=True"),
     ("split_batches", "split_batches=True"),
+    ("neftune", "neftune_noise_alpha=5.0"),
 ])
 def test_unsupported_settings_are_refused(pool2, kind, message):
     for msg in pool2.run(W.refused, kind):
@@ -88,3 +90,29 @@ def test_padding_free_collator_is_exact(pool1, pool2):
             for k in g:
                 assert abs(g[k] - r[k]) <= 2e-5 * max(1.0, abs(r[k])), (k, g, r)
         assert abs(got["eval_loss"] - ref["eval_loss"]) <= 2e-5 * ref["eval_loss"]
+
+
+def test_random_data_pipeline_with_workers_gives_one_batch_per_cp_group():
+    pools = [DistPool(1, daemon=False), DistPool(2, daemon=False)]  # their workers start DataLoader workers
+    try:
+        ref = pools[0].run(W.cropped_run, 4)[0]
+        results = pools[1].run(W.cropped_run, 4)
+    finally:
+        for pool in pools:
+            pool.close()
+    for got in results:
+        for g, r in zip(got["history"], ref["history"]):
+            for k in g:
+                assert abs(g[k] - r[k]) <= 2e-5 * max(1.0, abs(r[k])), (k, g, r)
+
+
+def test_vision_predictions_are_whole_sequences(pool1, pool2):
+    ref = pool1.run(W.vision_predict)[0]
+    assert ref.shape == (4, 17, 32)
+    for got in pool2.run(W.vision_predict):
+        assert got.shape == ref.shape and float((got - ref).abs().max()) < 1e-5
+
+
+def test_options_conflicting_with_a_patched_model_are_refused(pool2):
+    for msg in pool2.run(W.conflicting_options):
+        assert msg and "patched already with other settings" in msg and "ulysses" in msg, msg

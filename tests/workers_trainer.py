@@ -127,6 +127,8 @@ def refused(kind: str):
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, label_smoothing_factor=0.1))
             elif kind == "compute_loss_func":
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2), compute_loss_func=lambda *a, **k: 0)
+            elif kind == "neftune":
+                HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, neftune_noise_alpha=5.0))
             elif kind == "split_batches":
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, accelerator_config={"split_batches": True}))
             elif kind == "dispatch_batches":
@@ -235,3 +237,61 @@ def sft_run(per_device: int, cp_size=None, overrides=None):
     return {"history": history, "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and
                                          k.split("_", 1)[1] in ("loss", "mean_token_accuracy", "entropy")},
             "predictions": torch.as_tensor(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids)}
+
+
+class CroppedRows(Rows):
+    """Random crops in __getitem__ (as long-context pipelines do): with worker processes, only seeding workers
+    per DP group (not per process) gives the ranks of a CP group the same batch."""
+
+    def __getitem__(self, i):
+        row = self.rows[i]
+        start = int(torch.randint(0, 5, (1,)))
+        return {k: torch.roll(v, -start) for k, v in row.items()}
+
+
+def cropped_run(per_device: int):
+    from hfcp.integrations import HfcpTrainer
+
+    _reset_accelerate()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = HfcpTrainer(model=tiny_model("llama"), args=_args(out, per_device, dataloader_num_workers=1),
+                              train_dataset=CroppedRows(24))
+        trainer.train()
+    return {"history": _history(trainer)}
+
+
+def vision_predict():
+    """ViTModel (base): predictions are its whole last_hidden_state, as from one process."""
+    from transformers import ViTConfig, ViTModel
+
+    from hfcp.integrations import HfcpTrainer
+
+    class Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"pixel_values": torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(i))}
+
+    _reset_accelerate()
+    torch.manual_seed(0)
+    model = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                               image_size=16, patch_size=4, attn_implementation="sdpa"), add_pooling_layer=False)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = HfcpTrainer(model=model, args=_args(out, 2))
+        pred = trainer.predict(Images())
+    return torch.as_tensor(pred.predictions)
+
+
+def conflicting_options():
+    import hfcp
+    from hfcp.integrations import HfcpTrainer
+
+    _reset_accelerate()
+    model = hfcp.patch(tiny_model("llama"), strategy="ring")
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            HfcpTrainer(model=model, args=_args(out, 2), strategy="ulysses")
+        except ValueError as e:
+            return str(e)
+    return None

@@ -15,7 +15,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import torch
 
 from ..patch import cp_state
-from .trainer import HfcpTrainerMixin
+from .trainer import UNSET, HfcpTrainerMixin
 
 
 class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
@@ -26,8 +26,8 @@ class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
         ValueError: what HfcpTrainer refuses, and loss_type other than "nll" or an MoE auxiliary loss.
     """
 
-    def __init__(self, *args, cp_size: int | None = None, strategy: str = "ring", loss_chunk="auto", timeout=None,
-                 check_inputs: bool = True, **kwargs):
+    def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
                              check_inputs=check_inputs))

@@ -12,6 +12,7 @@ What changes against the parent, and why:
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -20,21 +21,34 @@ from accelerate.utils import recursively_apply
 from transformers import Trainer
 
 from ..data import data_parallel_rank_and_size
+from ..mesh import as_timedelta
 from ..patch import cp_state, gather_sequence, patch
 
 log = logging.getLogger("hfcp")
+UNSET = object()  # an hfcp.patch option the caller did not give (None is a value: cp_size=None, loss_chunk=None)
 
 
 class HfcpTrainerMixin:
     """The overrides shared by HfcpTrainer and HfcpSFTTrainer; put it before the Trainer class in the bases."""
 
     def _hfcp_init(self, patch_options: dict) -> None:
-        """After the parent's __init__ (the process group exists then): patch the model, refuse what is not exact."""
+        """After the parent's __init__ (the process group exists then): patch the model, refuse what is not exact.
+
+        patch_options: the options the caller gave (UNSET: not given). A model patched already keeps its settings;
+        an option given that differs from them is refused, as hfcp.patch does.
+        """
         self._hfcp_refuse_unsupported()
-        if cp_state(self.model) is None:
-            patch(self.model, **patch_options)
+        given = {k: v for k, v in patch_options.items() if v is not UNSET}
+        state = cp_state(self.model)
+        if state is None:
+            patch(self.model, **given)
         else:
-            log.info("hfcp: the model is patched already; HfcpTrainer keeps its settings")
+            wanted = {k: as_timedelta(v) if k == "timeout" else v for k, v in given.items()}
+            differ = {k: (state.settings[k], v) for k, v in wanted.items() if state.settings[k] != v}
+            if differ:
+                raise ValueError(f"the model is patched already with other settings ({differ}: patched, given); "
+                                 "pass the model unpatched, or leave these options out")
+            log.info("hfcp: the model is patched already; %s keeps its settings", type(self).__name__)
         self._install_dp_data_loader()
 
     def _hfcp_refuse_unsupported(self) -> None:
@@ -48,8 +62,14 @@ class HfcpTrainerMixin:
         if self.compute_loss_func is not None:
             problems.append("compute_loss_func (it would see this rank's local logits only; hfcp computes the "
                             "causal-LM loss over the whole sequence)")
-        if args.fsdp or args.deepspeed:
+        if args.fsdp or args.deepspeed or getattr(self, "is_fsdp_enabled", False) or \
+                getattr(self, "is_deepspeed_enabled", False):
             problems.append("FSDP / DeepSpeed (not supported with HfcpTrainer yet)")
+        if args.neftune_noise_alpha:
+            problems.append(f"neftune_noise_alpha={args.neftune_noise_alpha} (NEFTune sizes its noise by the sequence "
+                            "length it sees, which is a rank's shard under CP)")
+        if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+            problems.append("train_sampling_strategy='batch_rebalance' (its sampler shards by process, not by CP group)")
         if getattr(args, "parallelism_config", None) is not None:
             problems.append("parallelism_config (accelerate's own CP/TP/SP; hfcp provides the context parallelism)")
         if args.accelerator_config.split_batches:
@@ -76,6 +96,9 @@ class HfcpTrainerMixin:
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return data_loader
         dp_rank, dp_size = data_parallel_rank_and_size(self.model)
+        seeding = data_loader.worker_init_fn
+        if isinstance(seeding, functools.partial) and "rank" in seeding.keywords:  # the Trainer's seed_worker:
+            data_loader.worker_init_fn = functools.partial(seeding, rank=dp_rank)  # same worker seeds in a CP group
         prepared = prepare_data_loader(
             data_loader, acc.device, num_processes=dp_size, process_index=dp_rank, split_batches=acc.split_batches,
             put_on_device=acc.device_placement if device_placement is None else device_placement,
@@ -146,15 +169,24 @@ class HfcpTrainerMixin:
     def _without_repeated_targets(self, inputs):
         """In the last batch, accelerate repeats samples so that every DP group gets a full batch; they are
         dropped from the gathered arrays, and here from the loss (labels -100), as one process never sees them."""
-        gs, labels = self.accelerator.gradient_state, inputs.get("labels")
-        if not gs.end_of_dataloader or gs.remainder <= 0 or labels is None:
+        gs = self.accelerator.gradient_state
+        targets = {k: inputs[k] for k in ("labels", "shift_labels") if inputs.get(k) is not None}
+        if not gs.end_of_dataloader or gs.remainder <= 0 or not targets:
             return inputs
+        b = next(iter(targets.values())).shape[0]
+        if gs.remainder % b == 0 and gs.remainder // b >= data_parallel_rank_and_size(self.model)[1]:
+            return inputs  # no DP group holds a repeated sample
+        if any(t.is_floating_point() for t in targets.values()):  # decided alike on every rank
+            raise ValueError(
+                f"the last evaluation batch repeats samples to fill every DP group, and float labels cannot mark them "
+                f"ignored; make the dataset size a multiple of {b} x the number of DP groups, or set "
+                "dataloader_drop_last=True")
         dp_rank, _ = data_parallel_rank_and_size(self.model)
-        b = labels.shape[0]
-        repeated = torch.arange(dp_rank * b, (dp_rank + 1) * b, device=labels.device) >= gs.remainder
+        repeated = torch.arange(dp_rank * b, (dp_rank + 1) * b) >= gs.remainder
         if not bool(repeated.any()):
             return inputs
-        return {**inputs, "labels": labels.masked_fill(repeated.view(-1, *[1] * (labels.dim() - 1)), -100)}
+        masked = {k: t.masked_fill(repeated.to(t.device).view(-1, *[1] * (t.dim() - 1)), -100) for k, t in targets.items()}
+        return {**inputs, **masked}
 
     def evaluation_loop(self, *args, **kwargs):
         if cp_state(self.model) is not None:
@@ -198,14 +230,15 @@ class HfcpTrainer(HfcpTrainerMixin, Trainer):
 
     Args:
         cp_size, strategy, loss_chunk, timeout, check_inputs: passed to `hfcp.patch` when the model is not patched
-            yet (a model patched already keeps its settings).
+            yet; an option not given takes hfcp.patch's default (ring, "auto" chunked loss, ...). A model patched
+            already keeps its settings, and an option given that differs from them is refused.
     Raises:
         ValueError: settings hfcp cannot make exact (label smoothing, compute_loss_func, FSDP/DeepSpeed,
             parallelism_config, split_batches, dispatch_batches, model_init).
     """
 
-    def __init__(self, *args, cp_size: int | None = None, strategy: str = "ring", loss_chunk="auto", timeout=None,
-                 check_inputs: bool = True, **kwargs):
+    def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
                              check_inputs=check_inputs))

@@ -1,0 +1,41 @@
+"""The family sweep over every causal-LM type of transformers: exact or refused, never silently wrong; and the
+support matrix (README, patches/verified.py) is what a fresh sweep gives."""
+import sys
+from pathlib import Path
+
+import pytest
+
+import sweep_families as S
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import support_matrix  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def sweep(pool2):
+    results = pool2.run(S.sweep, timeout=900)
+    assert results[0] == results[1], "the ranks disagree"
+    return results[0]
+
+
+def test_no_family_is_silently_wrong_or_crashes(sweep):
+    bad = [r for r in sweep if r["result"] in ("mismatch", "error")]
+    assert not bad, bad
+    assert sum(r["result"] == "exact" for r in sweep) >= 80, "the sweep lost families it showed exact before"
+
+
+def test_generated_support_matrix_is_current(sweep):
+    from hfcp.patches import verified
+
+    assert list(verified.VERIFIED) == support_matrix.verified_types(sweep), \
+        "patches/verified.py is stale: run python scripts/support_matrix.py"
+    readme = (ROOT / "README.md").read_text()
+    assert support_matrix.render_table(sweep) in readme, "README's support matrix is stale: run scripts/support_matrix.py"
+
+
+def test_families_refused_for_their_features(pool2):
+    out = pool2.run(S.refusals)[0]
+    assert "MoE router auxiliary loss" in out["mixtral_aux_loss"], out
+    assert "chunked attention" in out["llama4_chunked"], out
+    assert "softcap=2.0" in out["gemma2_softcap"] or "not built" in out["gemma2_softcap"], out
