@@ -26,8 +26,12 @@ def test_no_family_is_silently_wrong_or_crashes(sweep):
 
 
 def test_generated_support_matrix_is_current(sweep):
+    import transformers
+
     from hfcp.patches import verified
 
+    assert transformers.__version__ == verified.TRANSFORMERS_VERSION, \
+        "the family matrix was made with another transformers: run python scripts/support_matrix.py"
     assert list(verified.VERIFIED) == support_matrix.verified_types(sweep), \
         "patches/verified.py is stale: run python scripts/support_matrix.py"
     readme = (ROOT / "README.md").read_text()
