@@ -24,6 +24,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             "shards the inputs (a submodule such as model.model called directly would see the whole sequence)"
         )
     state.attention_calls.add(id(module))
+    sink = take_sink(module, kwargs, query.shape[1])
     refuse_unimplemented(module, kwargs)
     if dropout:
         raise ValueError(f"attention dropout={dropout} cannot be made exact under CP; set config.attention_dropout=0")
@@ -40,8 +41,21 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     query, key, value = same_dtype(query, key, value, type(module).__name__)
     query, key, value, v_dim = same_head_dim(query, key, value)
     with torch.autocast(query.device.type, enabled=False):  # the strategies choose their own precisions
-        out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.mesh.cp_group)
+        out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.mesh.cp_group, sink)
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
+
+
+def take_sink(module, kwargs: dict, num_heads: int):
+    """Pops an attention-sink logit per head (`s_aux`, `sinks`: a (num_heads,) tensor) from kwargs; None if absent."""
+    sinks = [(n, kwargs.pop(n)) for n in ("s_aux", "sinks") if kwargs.get(n) is not None]
+    if not sinks:
+        return None
+    (name, sink), *more = sinks
+    if more or not isinstance(sink, torch.Tensor) or tuple(sink.shape) != (num_heads,):
+        shown = tuple(sink.shape) if isinstance(sink, torch.Tensor) else repr(sink)
+        raise ValueError(f"{type(module).__name__} passes {name} of shape {shown}; hfcp implements one sink logit per "
+                         f"query head, shape ({num_heads},), so this model is not supported")
+    return sink
 
 
 def same_head_dim(query, key, value):

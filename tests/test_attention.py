@@ -96,3 +96,13 @@ def test_math_kernel_tiles_match_dense(monkeypatch):
 def test_32k_tokens_merge_without_overflow(pool2):
     r = pool2.run(W.long_sequence, 32768, "ring", timeout=600)[0]
     assert r["finite"] and r["err"] < 1e-4, r
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
+@pytest.mark.parametrize("mask", ["causal", "padded"])
+def test_attention_sink_exact(pool2, strategy, mask):
+    case = dict(cp=2, B=2, L=37, H=4, Hkv=2, D=8, strategy=strategy, causal=True, sink=True,
+                padded=mask == "padded")
+    for errs in pool2.run(W.run_case, case):
+        _check(errs)  # rows without keys put all their mass on the sink: output 0
+        assert errs["dsink"] < TOL, errs

@@ -62,12 +62,15 @@ def dense_allowed(case, position_ids, attention_mask):
     return allowed[:, None]  # (B, 1, L, L)
 
 
-def dense_attention(q, k, v, allowed, scale):
+def dense_attention(q, k, v, allowed, scale, sink=None):
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = (q @ k.transpose(-1, -2)) * scale
     s = s.masked_fill(~allowed, float("-inf"))
     empty = ~allowed.any(-1, keepdim=True)
+    if sink is not None:  # as GPT-OSS's eager attention: one more logit per head in the softmax, then dropped
+        col = sink.view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        return torch.softmax(torch.cat([s, col], -1), -1)[..., :-1] @ v  # a row without keys: all mass on the sink
     s = s.masked_fill(empty, 0.0)
     return torch.where(empty, 0.0, torch.softmax(s, -1) @ v)
 
@@ -82,7 +85,9 @@ def run_case(case: dict):
     scale = q.shape[-1] ** -0.5
     allowed = dense_allowed(case, position_ids, attention_mask)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = dense_attention(qr, kr, vr, allowed, scale)
+    sink = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(9)) * 2 if case.get("sink") else None
+    sink_r = sink.clone().requires_grad_() if sink is not None else None
+    ref = dense_attention(qr, kr, vr, allowed, scale, sink_r)
     ref.backward(dout)
 
     B, L = case["B"], case["L"]
@@ -96,7 +101,9 @@ def run_case(case: dict):
         return t[:, :, idx].to(dtype).clone().requires_grad_()
 
     ql, kl, vl = shard(q), shard(k), shard(v)
-    out = STRATEGIES[case["strategy"]](ql, kl, vl, sb, MaskSpec(case["causal"], case.get("window")), scale, mesh.cp_group)
+    sink_l = sink.clone().requires_grad_() if sink is not None else None
+    out = STRATEGIES[case["strategy"]](ql, kl, vl, sb, MaskSpec(case["causal"], case.get("window")), scale,
+                                       mesh.cp_group, sink_l)
     out.backward(shard(dout).detach())
 
     order = layout.gathered_order()
@@ -115,6 +122,10 @@ def run_case(case: dict):
     for name, loc, full in (("dq", ql, qr), ("dk", kl, kr), ("dv", vl, vr)):
         errs[name] = _rel(unshard(loc.grad), full.grad)
     errs["finite"] = bool(torch.isfinite(got).all())
+    if sink is not None:  # each rank's gradient covers its own queries: the sum over the group is the whole
+        dsink = sink_l.grad.clone()
+        torch.distributed.all_reduce(dsink, group=mesh.cp_group)
+        errs["dsink"] = _rel(dsink, sink_r.grad)
     return errs
 
 

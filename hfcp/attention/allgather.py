@@ -9,6 +9,7 @@ from ..collectives import all_gather_no_grad, group_rank, reduce_scatter_sum
 from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
 from .kernels import acc_dtype
+from .sinks import add_sink, sink_grad
 
 
 def _gather_kv(k, v, group):  # gathered in (B, L, Hkv, D) memory, the layout the kernels prefer (see kernels)
@@ -18,20 +19,21 @@ def _gather_kv(k, v, group):  # gathered in (B, L, Hkv, D) memory, the layout th
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sb, spec, scale, group):
+    def forward(ctx, q, k, v, sink, sb, spec, scale, group):
         rank = group_rank(group)
         k_all, v_all = _gather_kv(k, v, group)
         tiles = plan_tiles(spec, sb, sb.layout.ranges(rank), sb.layout.all_ranges(), q.dtype, q.device)
         out, lse = new_accumulators(q)
         forward_tiles(q, k_all, v_all, tiles, scale, out, lse)
+        out, lse = add_sink(out, lse, sink)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)  # local K/V only: re-gathered in backward
+        ctx.save_for_backward(q, k, v, out, lse, sink)  # local K/V only: re-gathered in backward
         ctx.args = (sb, spec, scale, group)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         sb, spec, scale, group = ctx.args
         rank = group_rank(group)
         k_all, v_all = _gather_kv(k, v, group)
@@ -42,9 +44,9 @@ class AllGatherAttention(torch.autograd.Function):
         backward_tiles(dout, q, k_all, v_all, out, lse, tiles, scale, dq, dk_all, dv_all)
         dkv = reduce_scatter_sum(torch.stack([dk_all.transpose(1, 2), dv_all.transpose(1, 2)]), group, dim=2)
         dk, dv = (g.transpose(1, 2).to(t.dtype) for g, t in ((dkv[0], k), (dkv[1], v)))  # (B, Hkv, L/cp, D)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, sink_grad(dout, out, lse, sink), None, None, None, None
 
 
-def allgather_attention(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group) -> torch.Tensor:
-    """q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) in the layout's local order -> out (B, H, L/cp, D)."""
-    return AllGatherAttention.apply(q, k, v, sb, spec, scale, group)
+def allgather_attention(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group, sink=None) -> torch.Tensor:
+    """q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) in the layout's local order, sink None or (H,) -> (B, H, L/cp, D)."""
+    return AllGatherAttention.apply(q, k, v, sink, sb, spec, scale, group)

@@ -13,12 +13,13 @@ from ..collectives import RingComm, group_rank, group_size
 from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
 from .kernels import acc_dtype
+from .sinks import add_sink, sink_grad
 
 KV_TAG, GRAD_TAG = 0, 1
 
 
 def ring_forward(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group):
-    """Returns (out (B, H, L/cp, D) in q's dtype, lse (B, H, L/cp) in acc_dtype) of the local queries against all keys."""
+    """Returns (out (B, H, L/cp, D), lse (B, H, L/cp)), both in acc_dtype, of the local queries against all keys."""
     cp, rank = group_size(group), group_rank(group)
     comm = RingComm(group, KV_TAG)
     out, lse = new_accumulators(q)  # (B, H, L/cp, D), (B, H, L/cp) fp32
@@ -32,7 +33,7 @@ def ring_forward(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group):
         forward_tiles(q, kv[0], kv[1], tiles, scale, out, lse)
         if step + 1 < cp:
             kv = comm.wait()
-    return out.to(q.dtype), lse
+    return out, lse
 
 
 def ring_backward(dout, q, k, v, out, lse, sb: StepBatch, spec: MaskSpec, scale: float, group):
@@ -63,19 +64,20 @@ def ring_backward(dout, q, k, v, out, lse, sb: StepBatch, spec: MaskSpec, scale:
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sb, spec, scale, group):
-        out, lse = ring_forward(q, k, v, sb, spec, scale, group)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sink, sb, spec, scale, group):
+        out, lse = add_sink(*ring_forward(q, k, v, sb, spec, scale, group), sink)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.args = (sb, spec, scale, group)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, sink_grad(dout, out, lse, sink), None, None, None, None
 
 
-def ring_attention(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group) -> torch.Tensor:
-    """q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) in the layout's local order -> out (B, H, L/cp, D)."""
-    return RingAttention.apply(q, k, v, sb, spec, scale, group)
+def ring_attention(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group, sink=None) -> torch.Tensor:
+    """q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) in the layout's local order, sink None or (H,) -> (B, H, L/cp, D)."""
+    return RingAttention.apply(q, k, v, sink, sb, spec, scale, group)

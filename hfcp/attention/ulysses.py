@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import all_to_all_heads, all_to_all_sequence, group_size
+from ..collectives import all_to_all_heads, all_to_all_sequence, group_rank, group_size
 from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
 from .kernels import acc_dtype
+from .sinks import add_sink, sink_grad
 
 
 def check_heads(num_heads: int, num_kv_heads: int, cp: int) -> None:
@@ -30,7 +31,7 @@ class UlyssesAttention(torch.autograd.Function):
     order first, so a plain causal mask is a single kernel call instead of merged zigzag blocks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sb, spec, scale, group):
+    def forward(ctx, q, k, v, sink, sb, spec, scale, group):
         cp = group_size(group)
         check_heads(q.shape[1], k.shape[1], cp)
         order = sb.layout.gathered_order(q.device)  # global index of each gathered position
@@ -40,14 +41,16 @@ class UlyssesAttention(torch.autograd.Function):
         tiles = plan_tiles(spec, sb, whole, whole, q.dtype, q.device)
         out_n, lse_n = new_accumulators(qn)
         forward_tiles(qn, kn, vn, tiles, scale, out_n, lse_n)
+        local_sink = None if sink is None else sink.view(cp, -1)[group_rank(group)]  # this rank's head group
+        out_n, lse_n = add_sink(out_n, lse_n, local_sink)
         out_n = out_n.to(q.dtype)
-        ctx.save_for_backward(qn, kn, vn, out_n, lse_n, order, inverse)
+        ctx.save_for_backward(qn, kn, vn, out_n, lse_n, order, inverse, sink)
         ctx.args = (sb, spec, scale, group)
         return all_to_all_sequence([natural(out_n, order)], group)[0]
 
     @staticmethod
     def backward(ctx, dout):
-        qn, kn, vn, out_n, lse_n, order, inverse = ctx.saved_tensors
+        qn, kn, vn, out_n, lse_n, order, inverse, sink = ctx.saved_tensors
         sb, spec, scale, group = ctx.args
         whole = [(0, sb.layout.padded_len)]
         tiles = plan_tiles(spec, sb, whole, whole, qn.dtype, qn.device)
@@ -55,9 +58,15 @@ class UlyssesAttention(torch.autograd.Function):
         dout_n = natural(all_to_all_heads([dout], group)[0], inverse)
         backward_tiles(dout_n, qn, kn, vn, out_n, lse_n, tiles, scale, dq, dk, dv)
         grads = all_to_all_sequence([natural(g.to(t.dtype), order) for g, t in ((dq, qn), (dk, kn), (dv, vn))], group)
-        return (*grads, None, None, None, None)
+        dsink = None
+        if sink is not None:  # this rank holds its head group's whole sequence: its slice of the gradient
+            cp, rank = group_size(group), group_rank(group)
+            dsink = torch.zeros_like(sink).view(cp, -1)
+            dsink[rank] = sink_grad(dout_n, out_n, lse_n, sink.view(cp, -1)[rank])
+            dsink = dsink.view(-1)
+        return (*grads, dsink, None, None, None, None)
 
 
-def ulysses_attention(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group) -> torch.Tensor:
-    """q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) in the layout's local order -> out (B, H, L/cp, D)."""
-    return UlyssesAttention.apply(q, k, v, sb, spec, scale, group)
+def ulysses_attention(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group, sink=None) -> torch.Tensor:
+    """q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) in the layout's local order, sink None or (H,) -> (B, H, L/cp, D)."""
+    return UlyssesAttention.apply(q, k, v, sink, sb, spec, scale, group)
