@@ -11,7 +11,7 @@ KEY = "hfcp"
 
 
 def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                   sliding_window=None, is_causal=None, **kwargs):
+                   sliding_window=None, is_causal=None, softcap=None, **kwargs):
     """transformers attention function: q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> ((B, L/cp, H, D), None)."""
     state = getattr(module, "_hfcp_state", None)
     step = getattr(attention_mask, "hfcp_step", None)  # the step this call belongs to (see lm_hooks.step_token)
@@ -36,7 +36,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             "is a checkpointed layer recomputed after a forward of another sequence length (run backward first)?"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    spec = MaskSpec(bool(causal), sliding_window)
+    spec = MaskSpec(bool(causal), sliding_window, float(softcap) if softcap else None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = same_dtype(query, key, value, type(module).__name__)
     query, key, value, v_dim = same_head_dim(query, key, value)

@@ -38,6 +38,7 @@ VERIFIED = (
     "flint",
     "fuyu",
     "gemma",
+    "gemma2",
     "gemma3_text",
     "gemma4_unified_text",
     "glm",
@@ -96,6 +97,7 @@ VERIFIED = (
     "solar_open",
     "stablelm",
     "starcoder2",
+    "vaultgemma",
     "youtu",
 )
 

@@ -106,3 +106,12 @@ def test_attention_sink_exact(pool2, strategy, mask):
     for errs in pool2.run(W.run_case, case):
         _check(errs)  # rows without keys put all their mass on the sink: output 0
         assert errs["dsink"] < TOL, errs
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
+@pytest.mark.parametrize("mask", ["causal", "packed_window", "padded"])
+def test_attention_softcap_exact(pool2, strategy, mask):
+    """Scores well beyond the cap (q scaled up), so the tanh bends them: without the cap the outputs differ."""
+    case = _case(strategy, mask, 2, softcap=1.5, q_gain=4.0)
+    _check(pool2.run(W.run_case, case)[0])
+    assert pool2.run(W.run_case, {**case, "drop_cap": True})[0]["out"] > 1e-2  # the cap matters in this case

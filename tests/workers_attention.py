@@ -62,10 +62,12 @@ def dense_allowed(case, position_ids, attention_mask):
     return allowed[:, None]  # (B, 1, L, L)
 
 
-def dense_attention(q, k, v, allowed, scale, sink=None):
+def dense_attention(q, k, v, allowed, scale, sink=None, softcap=None):
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:  # as Gemma 2's eager attention
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~allowed, float("-inf"))
     empty = ~allowed.any(-1, keepdim=True)
     if sink is not None:  # as GPT-OSS's eager attention: one more logit per head in the softmax, then dropped
@@ -87,7 +89,7 @@ def run_case(case: dict):
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     sink = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(9)) * 2 if case.get("sink") else None
     sink_r = sink.clone().requires_grad_() if sink is not None else None
-    ref = dense_attention(qr, kr, vr, allowed, scale, sink_r)
+    ref = dense_attention(qr * case.get("q_gain", 1), kr, vr, allowed, scale, sink_r, case.get("softcap"))
     ref.backward(dout)
 
     B, L = case["B"], case["L"]
@@ -102,8 +104,8 @@ def run_case(case: dict):
 
     ql, kl, vl = shard(q), shard(k), shard(v)
     sink_l = sink.clone().requires_grad_() if sink is not None else None
-    out = STRATEGIES[case["strategy"]](ql, kl, vl, sb, MaskSpec(case["causal"], case.get("window")), scale,
-                                       mesh.cp_group, sink_l)
+    spec = MaskSpec(case["causal"], case.get("window"), None if case.get("drop_cap") else case.get("softcap"))
+    out = STRATEGIES[case["strategy"]](ql * case.get("q_gain", 1), kl, vl, sb, spec, scale, mesh.cp_group, sink_l)
     out.backward(shard(dout).detach())
 
     order = layout.gathered_order()

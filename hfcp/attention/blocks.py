@@ -24,6 +24,7 @@ class MaskSpec:
 
     causal: bool
     window: int | None  # keys with q - k >= window are masked (transformers' sliding_window)
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Tile:
     k_len: int
     is_causal: bool = False
     mask: torch.Tensor | None = None  # (B or 1, 1, q_len, k_len) additive, in the query dtype
+    softcap: float | None = None
     empty_rows: torch.Tensor | None = None  # (B or 1, 1, q_len) bool: rows with no allowed key in this tile
 
 
@@ -103,12 +105,13 @@ def _plan_pair(spec, sb, q, k, dtype, device, tiles) -> None:
     if kind == "skip":
         return
     big = ql * kl > MAX_TILE * MAX_TILE
-    fused = has_fused_kernel(device, dtype)  # a fused kernel tiles internally; the math kernel needs small tiles
+    fused = fused_for(spec, device, dtype)  # a fused kernel tiles internally; the math kernel needs small tiles
+    cap = spec.softcap
     if kind == "full" and (fused or not big):
-        tiles.append(Tile(qo, ql, ko, kl))
+        tiles.append(Tile(qo, ql, ko, kl, softcap=cap))
         return
     if only_causal and qs == ks and ql == kl and (fused or not big):
-        tiles.append(Tile(qo, ql, ko, kl, is_causal=True))
+        tiles.append(Tile(qo, ql, ko, kl, is_causal=True, softcap=cap))
         return
     if big:  # split the longer side and classify the halves again
         if ql >= kl:
@@ -125,7 +128,7 @@ def _plan_pair(spec, sb, q, k, dtype, device, tiles) -> None:
     if bool(empty.all()):
         return
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, NEG_INF)
-    tiles.append(Tile(qo, ql, ko, kl, mask=mask, empty_rows=empty if bool(empty.any()) else None))
+    tiles.append(Tile(qo, ql, ko, kl, mask=mask, empty_rows=empty if bool(empty.any()) else None, softcap=cap))
 
 
 def _causal_in_tensor_order(spec: MaskSpec, sb: StepBatch, ranges) -> bool:
@@ -146,7 +149,7 @@ def plan_tiles(spec: MaskSpec, sb: StepBatch, q_ranges, k_ranges, dtype, device)
     """Tiles of work for queries at global `q_ranges` against keys at `k_ranges` (both in tensor order)."""
     key = (spec, tuple(q_ranges), tuple(k_ranges), dtype, str(device))
     tiles = sb.plans.get(key)
-    if tiles is None and tuple(q_ranges) == tuple(k_ranges) and has_fused_kernel(device, dtype) \
+    if tiles is None and tuple(q_ranges) == tuple(k_ranges) and fused_for(spec, device, dtype) \
             and _causal_in_tensor_order(spec, sb, q_ranges):  # e.g. a ring's own zigzag chunks
         n = sum(length for _, length in q_ranges)
         tiles = sb.plans[key] = [Tile(0, n, 0, n, is_causal=True)]
@@ -159,11 +162,16 @@ def plan_tiles(spec: MaskSpec, sb: StepBatch, q_ranges, k_ranges, dtype, device)
     return tiles
 
 
+def fused_for(spec: MaskSpec, device, dtype) -> bool:
+    """Whether this spec's tiles run on a fused kernel (none implements a softcap: the math kernel does)."""
+    return spec.softcap is None and has_fused_kernel(device, dtype)
+
+
 def forward_tiles(q, k, v, tiles: list[Tile], scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Accumulate attention of q against k/v over `tiles` into out (B, H, Lq, D) and lse (B, H, Lq) (acc_dtype)."""
     for t in tiles:
         qs, ks = slice(t.q_off, t.q_off + t.q_len), slice(t.k_off, t.k_off + t.k_len)
-        o, l = kernel_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], t.mask, t.is_causal, scale)
+        o, l = kernel_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], t.mask, t.is_causal, scale, t.softcap)
         if t.empty_rows is not None:  # the CPU kernel reports lse 0 for such rows: give them no weight
             l = l.masked_fill(t.empty_rows, NEG_INF)
             o = o.masked_fill(t.empty_rows[..., None], 0.0)  # and never let a kernel's NaN there reach the merge
@@ -177,7 +185,7 @@ def backward_tiles(dout, q, k, v, out, lse, tiles: list[Tile], scale: float, dq,
         qs, ks = slice(t.q_off, t.q_off + t.q_len), slice(t.k_off, t.k_off + t.k_len)
         gq, gk, gv = kernel_backward(
             dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse_b[:, :, qs],
-            t.mask, t.is_causal, scale,
+            t.mask, t.is_causal, scale, t.softcap,
         )
         dq[:, :, qs] += gq
         dk[:, :, ks] += gk

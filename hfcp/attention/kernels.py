@@ -37,30 +37,38 @@ def _cpu_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
     )
 
 
-def _scores(q, k, mask, is_causal, scale):
+def _scores(q, k, mask, is_causal, scale, softcap=None):
+    """Scaled scores (B, H, Lq, Lk) in acc_dtype, softcapped (c * tanh(s / c)) then masked; and the tanh of the
+    capped scores (their derivative is 1 - tanh^2), or None without a cap."""
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1) if rep > 1 else k
     acc = acc_dtype(q.dtype)
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(s / softcap)
+        s = tanh * softcap
     if is_causal:
         s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), NEG_INF)
     if mask is not None:
         s = s + mask.to(acc)
-    return s, rep
+    return s, rep, tanh
 
 
-def reference_forward(q, k, v, mask, is_causal, scale):
-    """Plain-math kernel (fp32 inside, fp64 for fp64): the ground truth the tests use, and the fallback off CPU."""
-    s, rep = _scores(q, k, mask, is_causal, scale)
+def reference_forward(q, k, v, mask, is_causal, scale, softcap=None):
+    """Plain-math kernel (fp32 inside, fp64 for fp64): the ground truth the tests use, the fallback off CPU, and
+    the kernel of softcapped attention (which no fused kernel implements)."""
+    s, rep, _ = _scores(q, k, mask, is_causal, scale, softcap)
     lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq)
     p = torch.exp(s - lse.masked_fill(lse == NEG_INF, 0.0)[..., None])
     vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v
     return torch.matmul(p, vr.to(p.dtype)).to(q.dtype), lse
 
 
-def reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
-    """Plain-math block gradients from the merged out and lse: P = exp(s - lse), dS = P * (dP - rowsum(dO * O))."""
-    s, rep = _scores(q, k, mask, is_causal, scale)
+def reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale, softcap=None):
+    """Plain-math block gradients from the merged out and lse: P = exp(s - lse), dS = P * (dP - rowsum(dO * O)),
+    times 1 - tanh^2 through a softcap."""
+    s, rep, tanh = _scores(q, k, mask, is_causal, scale, softcap)
     p = torch.exp(s - lse[..., None])  # lse = +inf for rows with no allowed key: p = 0
     vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v
     acc = p.dtype
@@ -68,6 +76,8 @@ def reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, vr.to(acc).transpose(-1, -2))
     ds = p * (dp - (do * out.to(acc)).sum(-1, keepdim=True)) * scale
+    if tanh is not None:
+        ds = ds * (1 - tanh * tanh)
     kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k
     dq = torch.matmul(ds, kr.to(acc))
     dk = torch.matmul(ds.transpose(-1, -2), q.to(acc))
@@ -153,10 +163,12 @@ def has_fused_kernel(device, dtype=torch.float32) -> bool:
     return device.type == "cuda" and _fused_cuda_ok(str(device), dtype)
 
 
-def kernel_forward(q, k, v, mask, is_causal: bool, scale: float):
+def kernel_forward(q, k, v, mask, is_causal: bool, scale: float, softcap: float | None = None):
     """One block of attention: returns (out in q's dtype, lse in acc_dtype). q, k, v share one dtype; autocast
-    is off inside (the caller brought q/k/v to the autocast dtype, as SDPA does)."""
+    is off inside (the caller brought q/k/v to the autocast dtype, as SDPA does). A softcap takes the math kernel."""
     with torch.autocast(q.device.type, enabled=False):
+        if softcap is not None:
+            return reference_forward(q, k, v, mask, is_causal, scale, softcap)
         if q.device.type == "cpu":
             return _cpu_forward(q, k, v, mask, is_causal, scale)
         if has_fused_kernel(q.device, q.dtype):
@@ -164,9 +176,11 @@ def kernel_forward(q, k, v, mask, is_causal: bool, scale: float):
         return reference_forward(q, k, v, mask, is_causal, scale)
 
 
-def kernel_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float):
+def kernel_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float, softcap: float | None = None):
     """Block gradients given the *merged* out and lse (rows with no key anywhere carry lse = +inf)."""
     with torch.autocast(q.device.type, enabled=False):
+        if softcap is not None:
+            return reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale, softcap)
         if q.device.type == "cpu":
             return _cpu_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
         if has_fused_kernel(q.device, q.dtype):
