@@ -42,4 +42,4 @@ def test_families_refused_for_their_features(pool2):
     out = pool2.run(S.refusals)[0]
     assert "MoE router auxiliary loss" in out["mixtral_aux_loss"], out
     assert "chunked attention" in out["llama4_chunked"], out
-    assert "softcap=2.0" in out["gemma2_softcap"] or "not built" in out["gemma2_softcap"], out
+    assert "passes indices=tensor" in out["sparse_indices"], out

@@ -1,0 +1,83 @@
+"""Tiny random causal LMs of any transformers model_type: what the family sweep (tests/sweep_families.py) and
+`hfcp verify --model MODEL_TYPE` run. The config keeps the family's features (sliding windows where the family
+has one, MoE, MLA head dims, softcaps set low) at a size that runs in milliseconds."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+TINY = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=256, attention_dropout=0.0, hidden_dropout=0.0,
+    dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    # mixture of experts: few, small experts (the router aux loss is off by default)
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    shared_expert_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0, moe_layer_freq=1,
+    decoder_sparse_step=1, n_group=1, topk_group=1,
+    # MLA (DeepSeek-style) dimensions, small, with the value head dim (12) other than the query/key one (16); RoPE over head_dim (8)
+    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+    # caps made to bite
+    attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+    use_cache=False,
+)
+WINDOW = 7  # for families whose config has a sliding window by default (a window the mask does not apply is
+            # passed to attention by some families' code all the same: transformers' SDPA then ignores it)
+MAX_PARAMS = 3_000_000
+
+
+def tiny_config(model_type: str):
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        default = cls()
+        extra = {"sliding_window": WINDOW} if getattr(default, "sliding_window", None) is not None else {}
+        if hasattr(default, "kv_lora_rank"):  # MLA: keys and values are expanded to every query head
+            extra["num_key_value_heads"] = TINY["num_attention_heads"]
+        cfg = cls(**{**TINY, **extra})
+    text = cfg.get_text_config()
+    if text is not cfg:  # a composite config: shrink its text part the same way
+        for k, v in TINY.items():
+            if hasattr(text, k):
+                setattr(text, k, v)
+    for part in {id(cfg): cfg, id(text): text}.values():  # training randomness (dropout, router jitter) off:
+        for k, v in list(vars(part).items()):  # a rank draws other noise than one device, so compare without it
+            if isinstance(v, float) and any(x in k for x in ("dropout", "pdrop", "jitter")):
+                setattr(part, k, 0.0)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def tiny_model(model_type: str, seed: int = 0):
+    """A tiny random causal LM of `model_type` (train mode), weights perturbed away from their init.
+
+    Raises:
+        Exception: whatever the family's config or model raises for these tiny values; ValueError when the tiny
+            config still makes a large model (a part of the config that ignores the tiny values).
+    """
+    from transformers.models.auto import modeling_auto
+    import transformers
+
+    cfg = tiny_config(model_type)
+    cls = getattr(transformers, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    with torch.device("meta"):  # size it first: a config part that ignores the tiny values could be huge
+        try:
+            size = sum(p.numel() for p in cls(cfg).parameters())
+        except ValueError as e:  # a family without SDPA support: the eager reference then
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            cfg._attn_implementation = "eager"
+            size = sum(p.numel() for p in cls(cfg).parameters())
+    if size > MAX_PARAMS:
+        raise ValueError(f"the tiny config still has {size / 1e6:.1f}M parameters")
+    torch.manual_seed(seed)
+    model = cls(cfg).float()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # biases and norms away from their init, so that every term matters
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    model.train()
+    return model
