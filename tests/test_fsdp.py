@@ -1,0 +1,16 @@
+"""FSDP2 x CP (issue 12, first slice): hfcp.patch before or after torch's fully_shard, exact."""
+import pytest
+
+import workers_fsdp as W
+
+
+@pytest.mark.parametrize("order", ["patch_first", "shard_first"])
+def test_fsdp2_cp2(pool2, order):
+    for r in pool2.run(W.fsdp_step, order, 2):
+        assert r["class"] == "FSDPLlamaForCausalLM" and r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, r
+
+
+@pytest.mark.parametrize("order", ["patch_first", "shard_first"])
+def test_fsdp2_over_dp2_x_cp2(pool4, order):
+    for r in pool4.run(W.fsdp_step, order, 2):
+        assert r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, r
