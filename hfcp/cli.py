@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     v.add_argument("--model", required=True, help="a checkpoint directory, or a model_type (a tiny random model)")
     v.add_argument("--seq-len", type=int, default=512)
     v.add_argument("--cp-size", type=int, default=2, help="processes to start (one CP group)")
-    v.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses"])
+    v.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses", "usp"])
     v.add_argument("--data", help="a text file (tokenized with the checkpoint's tokenizer); default: random ids")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)

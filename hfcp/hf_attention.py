@@ -41,7 +41,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     query, key, value = same_dtype(query, key, value, type(module).__name__)
     query, key, value, v_dim = same_head_dim(query, key, value)
     with torch.autocast(query.device.type, enabled=False):  # the strategies choose their own precisions
-        out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.mesh.cp_group, sink)
+        out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.attention_group, sink)
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
 
 

@@ -10,7 +10,7 @@ from accelerate.hooks import SequentialHook, add_hook_to_module, remove_hook_fro
 from transformers import PreTrainedModel
 from transformers.models.auto import modeling_auto
 
-from .attention import STRATEGIES, check_heads
+from .attention import STRATEGIES, build_usp_groups, check_heads, check_ulysses_size
 from .collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
 from .introspect import interface_attention_classes, logits_postprocessed, other_mixers, unsupported_config
@@ -42,6 +42,7 @@ class CPState:
     denominator: object = None
     loss_sum: torch.Tensor | None = None
     attention_calls: set = field(default_factory=set)  # id() of the attention modules that ran this forward
+    attention_group: object = None  # what the strategy communicates over: the CP group, or usp's sub-groups
     want_token_stats: bool = False  # set by integrations whose metrics need them (HfcpSFTTrainer)
     token_stats: torch.Tensor | None = None  # last forward with labels: (3,) fp64 [targets, top-1 hits, entropy sum]
 
@@ -126,13 +127,14 @@ def _head_kind(model: PreTrainedModel, model_type: str, token_model: bool) -> st
 
 
 def patch(model, cp_size: int | None = None, strategy: str = "ring", process_group=None, timeout=None,
-          check_inputs: bool = True, loss_chunk: int | str | None = "auto"):
+          check_inputs: bool = True, loss_chunk: int | str | None = "auto", ulysses_size: int | None = None):
     """Make `model` context-parallel in place and return it.
 
     Args:
         model: a transformers PreTrainedModel, PEFT-wrapped or not, optionally inside DDP.
         cp_size: ranks per CP group (None: the whole world, or the size of `process_group`).
-        strategy: "ring", "allgather" or "ulysses".
+        strategy: "ring", "allgather", "ulysses" or "usp" (Ulysses inside groups of `ulysses_size` consecutive
+            ranks, ring across them).
         process_group: an existing group to use as the CP group.
         timeout: seconds or timedelta bounding every collective on the CP group.
         check_inputs: verify each step (one tiny all-gather) that every rank of a CP group got the same batch.
@@ -140,6 +142,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             time from the last hidden states, so (tokens x vocab) logits are never materialised (out.logits is
             then None). None: the model computes its logits as usual and hfcp the loss from them. "auto"
             (default): 1024-token chunks in training forwards (train mode, grad enabled), logits otherwise.
+        ulysses_size: usp only: ranks per Ulysses group (None: the largest divisor of cp that divides both head
+            counts).
     Returns:
         The same model object. With one process or cp_size 1 the model is left unchanged.
     Raises:
@@ -163,7 +167,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     if not isinstance(check_inputs, bool):
         raise ValueError(f"check_inputs={check_inputs!r} must be True or False")
     settings = dict(cp_size=cp_size, strategy=strategy, process_group=process_group, timeout=as_timedelta(timeout),
-                    check_inputs=check_inputs, loss_chunk=loss_chunk)
+                    check_inputs=check_inputs, loss_chunk=loss_chunk, ulysses_size=ulysses_size)
     existing = getattr(inner, "_hfcp_state", None)
     if existing is not None:
         if existing.settings == settings:
@@ -182,10 +186,17 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     if mesh is None:
         log.info("hfcp: one process or cp_size=1: %s runs unchanged", type(inner).__name__)
         return model
+    cfg = inner.config.get_text_config()
+    heads = getattr(cfg, patcher.num_heads_attr)
+    kv_heads = getattr(cfg, patcher.num_kv_heads_attr, None) or heads
     if strategy == "ulysses":
-        cfg = inner.config
-        check_heads(getattr(cfg, patcher.num_heads_attr), getattr(cfg, patcher.num_kv_heads_attr) or
-                    getattr(cfg, patcher.num_heads_attr), mesh.cp_size)
+        check_heads(heads, kv_heads, mesh.cp_size)
+    attention_group = mesh.cp_group
+    if strategy == "usp":  # every rank builds every sub-group (collective), after the checks that can raise
+        u = check_ulysses_size(ulysses_size, mesh.cp_size, heads, kv_heads)
+        attention_group = build_usp_groups(mesh.cp_group, u, as_timedelta(timeout))
+    elif ulysses_size is not None:
+        raise ValueError(f"ulysses_size={ulysses_size!r} applies to strategy='usp' only (strategy={strategy!r})")
     embeddings = None
     if patcher.embeddings_classes:
         embeddings = next((m for m in inner.modules() if type(m).__name__ in patcher.embeddings_classes), None)
@@ -194,7 +205,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     register_with_transformers()
     state = CPState(mesh, strategy, patcher, head,
                     original_attn=inner.config._attn_implementation, settings=settings,
-                    check_inputs=check_inputs, loss_chunk=chunk,
+                    check_inputs=check_inputs, loss_chunk=chunk, attention_group=attention_group,
                     modules=modules)
     inner.set_attn_implementation(KEY)
     inner._hfcp_state = state

@@ -37,7 +37,7 @@ def parse_args(argv=None):
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=1, help="rows per CP group per micro-step")
     ap.add_argument("--cp-size", type=int, default=None, help="ranks per CP group (default: all processes)")
-    ap.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses"])
+    ap.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses", "usp"])
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--max-steps", type=int, default=800)

@@ -65,7 +65,7 @@ def test_unsupported_head_is_refused():
 
 
 def test_unknown_strategy_lists_known_ones():
-    with pytest.raises(ValueError, match=r"strategy='zigzag' is not one of \['allgather', 'ring', 'ulysses'\]"):
+    with pytest.raises(ValueError, match=r"strategy='zigzag' is not one of \['allgather', 'ring', 'ulysses', 'usp'\]"):
         hfcp.patch(tiny_model("llama"), strategy="zigzag")
 
 

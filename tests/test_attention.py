@@ -115,3 +115,18 @@ def test_attention_softcap_exact(pool2, strategy, mask):
     case = _case(strategy, mask, 2, softcap=1.5, q_gain=4.0)
     _check(pool2.run(W.run_case, case)[0])
     assert pool2.run(W.run_case, {**case, "drop_cap": True})[0]["out"] > 1e-2  # the cap matters in this case
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("ulysses_size", [1, 2, 4])
+def test_usp_cp4(pool4, mask, ulysses_size):
+    """Ulysses groups of 1 (a ring), 2 (2 x ring 2) and 4 (all-to-all only) over 4 ranks, every mask."""
+    case = _case("usp", mask, 4, ulysses_size=ulysses_size, **({} if mask == "odd_length" else {"L": 64}))
+    _check(pool4.run(W.run_case, case)[0])
+
+
+@pytest.mark.parametrize("extra", [dict(sink=True), dict(softcap=1.5, q_gain=4.0)])
+def test_usp_sink_and_softcap(pool4, extra):
+    errs = pool4.run(W.run_case, _case("usp", "padded", 4, ulysses_size=2, L=64, **extra))[0]
+    _check(errs)
+    assert errs.get("dsink", 0.0) < TOL, errs

@@ -91,3 +91,10 @@ def test_default_loss_chunk_is_chunked_in_training_only(pool2):
     r = pool2.run(workers_loss.auto_default, dict(family="llama", strategy="ring", cp=2, B=2, L=30))[0]
     assert r["train_logits_none"] and r["loss"] < 1e-6, r
     assert r["no_grad_logits"] == r["eval_logits"] == (2, 16, 64), r  # local logits: 30 tokens padded to 32, 2 ranks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("variant", [{}, dict(packed=True), dict(padded="left")])
+def test_usp_cp4_with_two_kv_heads(pool4, family, variant):
+    """World 4 with 2 KV heads: plain Ulysses cannot split them over 4 ranks; usp runs Ulysses 2 x ring 2."""
+    _check(pool4.run(W.run_case, dict(family=family, strategy="usp", cp=4, B=2, L=38, **variant)))

@@ -17,6 +17,18 @@ def mesh_for(cp: int):
     return _MESHES[cp]
 
 
+def group_for(case: dict, mesh):
+    """What the strategy communicates over: the CP group, or usp's sub-groups (built once per size)."""
+    if case["strategy"] != "usp":
+        return mesh.cp_group
+    from hfcp.attention import build_usp_groups
+
+    key = ("usp", case["cp"], case.get("ulysses_size", 2))
+    if key not in _MESHES:
+        _MESHES[key] = build_usp_groups(mesh.cp_group, key[2])
+    return _MESHES[key]
+
+
 def make_case(case: dict):
     """Full-sequence inputs, identical on every rank (seeded)."""
     g = torch.Generator().manual_seed(case.get("seed", 0))
@@ -105,7 +117,8 @@ def run_case(case: dict):
     ql, kl, vl = shard(q), shard(k), shard(v)
     sink_l = sink.clone().requires_grad_() if sink is not None else None
     spec = MaskSpec(case["causal"], case.get("window"), None if case.get("drop_cap") else case.get("softcap"))
-    out = STRATEGIES[case["strategy"]](ql * case.get("q_gain", 1), kl, vl, sb, spec, scale, mesh.cp_group, sink_l)
+    out = STRATEGIES[case["strategy"]](ql * case.get("q_gain", 1), kl, vl, sb, spec, scale, group_for(case, mesh),
+                                       sink_l)
     out.backward(shard(dout).detach())
 
     order = layout.gathered_order()

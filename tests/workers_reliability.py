@@ -57,6 +57,10 @@ def bad_patch(kind: str):
     try:
         if kind == "cp_too_big":
             _patched(cp_size=4)
+        elif kind == "usp_size":
+            _patched(strategy="usp", ulysses_size=3)
+        elif kind == "usp_size_without_usp":
+            _patched(strategy="ring", ulysses_size=2)
         elif kind == "ulysses_heads":
             hfcp.patch(tiny_model("llama", num_attention_heads=3, num_key_value_heads=1, head_dim=8,
                                   hidden_size=24), strategy="ulysses")

@@ -3,7 +3,9 @@ from .allgather import allgather_attention
 from .blocks import MaskSpec
 from .ring import ring_attention
 from .ulysses import check_heads, ulysses_attention
+from .usp import UspGroups, build_usp_groups, check_ulysses_size, usp_attention
 
-STRATEGIES = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+STRATEGIES = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention,
+              "usp": usp_attention}
 
-__all__ = ["STRATEGIES", "MaskSpec", "check_heads"]
+__all__ = ["STRATEGIES", "MaskSpec", "check_heads", "UspGroups", "build_usp_groups", "check_ulysses_size"]

@@ -18,36 +18,46 @@ from .sinks import add_sink, sink_grad
 KV_TAG, GRAD_TAG = 0, 1
 
 
-def ring_forward(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group):
-    """Returns (out (B, H, L/cp, D), lse (B, H, L/cp)), both in acc_dtype, of the local queries against all keys."""
+def ring_forward(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group, ranges_of=None):
+    """Returns (out (B, H, L/cp, D), lse (B, H, L/cp)), both in acc_dtype, of the local queries against all keys.
+
+    ranges_of(i): the global ranges that ring member i holds (default: the layout's ranges of CP rank i; usp
+    passes the ranges of a whole Ulysses group)."""
     cp, rank = group_size(group), group_rank(group)
+    ranges_of = ranges_of or sb.layout.ranges
     comm = RingComm(group, KV_TAG)
     out, lse = new_accumulators(q)  # (B, H, L/cp, D), (B, H, L/cp) fp32
-    q_ranges = sb.layout.ranges(rank)
+    q_ranges = ranges_of(rank)
     kv = [k, v]
     for step in range(cp):
         if step + 1 < cp:
             comm.exchange(kv)
         owner = (rank - step) % cp
-        tiles = plan_tiles(spec, sb, q_ranges, sb.layout.ranges(owner), q.dtype, q.device)
+        tiles = plan_tiles(spec, sb, q_ranges, ranges_of(owner), q.dtype, q.device)
         forward_tiles(q, kv[0], kv[1], tiles, scale, out, lse)
         if step + 1 < cp:
             kv = comm.wait()
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, sb: StepBatch, spec: MaskSpec, scale: float, group):
+def ring_backward(dout, q, k, v, out, lse, sb: StepBatch, spec: MaskSpec, scale: float, group, ranges_of=None):
     """Returns (dq, dk, dv) of the local q/k/v; dk/dv accumulate while travelling the ring with their block."""
     cp, rank = group_size(group), group_rank(group)
+    ranges_of = ranges_of or sb.layout.ranges
+    if cp == 1:  # a ring of one (usp with ulysses_size == cp): nothing travels
+        tiles = plan_tiles(spec, sb, ranges_of(0), ranges_of(0), q.dtype, q.device)
+        dq, dk, dv = (torch.zeros_like(t, dtype=acc_dtype(q.dtype)) for t in (q, k, v))
+        backward_tiles(dout, q, k, v, out, lse, tiles, scale, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     kv_comm, grad_comm = RingComm(group, KV_TAG), RingComm(group, GRAD_TAG)
-    q_ranges = sb.layout.ranges(rank)
+    q_ranges = ranges_of(rank)
     dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
     kv = [k, v]
     for step in range(cp):
         if step + 1 < cp:
             kv_comm.exchange(kv)
         owner = (rank - step) % cp
-        tiles = plan_tiles(spec, sb, q_ranges, sb.layout.ranges(owner), q.dtype, q.device)
+        tiles = plan_tiles(spec, sb, q_ranges, ranges_of(owner), q.dtype, q.device)
         dk = torch.zeros_like(k, dtype=acc_dtype(q.dtype))  # grads for the block of `owner`
         dv = torch.zeros_like(v, dtype=acc_dtype(q.dtype))
         backward_tiles(dout, q, kv[0], kv[1], out, lse, tiles, scale, dq, dk, dv)
