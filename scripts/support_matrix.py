@@ -40,7 +40,8 @@ def render_table(results) -> str:
     import transformers
 
     lines = [BEGIN, "",
-             f"{len(results)} causal-LM types of transformers {transformers.__version__}' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: "
+             f"{len(results)} causal-LM types of transformers {transformers.__version__} "
+             "(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`): "
              f"{counts['exact']} exact, {counts['refused']} refused with the reason, "
              f"{counts['not built'] + counts['reference failed']} not verified (the sweep could not build a tiny model "
              "of them; hfcp refuses them as having no record).", "",

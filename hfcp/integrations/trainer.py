@@ -22,6 +22,7 @@ from transformers import Trainer
 
 from ..data import data_parallel_rank_and_size
 from ..mesh import as_timedelta
+from ..lm_hooks import DEFAULT_LOSS_CHUNK
 from ..patch import cp_state, gather_sequence, patch
 
 log = logging.getLogger("hfcp")
@@ -157,11 +158,19 @@ class HfcpTrainerMixin:
         if cp_state(model) is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         inputs = self._without_repeated_targets(inputs)
+
         def whole_sequences(**kwargs):  # the parent only calls the model: give it whole-sequence outputs
             return gather_outputs(model(**kwargs), model)
 
         call = model if prediction_loss_only else whole_sequences
-        loss, logits, labels = super().prediction_step(call, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        state = cp_state(model)
+        setting = state.loss_chunk
+        if prediction_loss_only and setting == "auto":  # no logits wanted: the chunked loss, as in training, so
+            state.loss_chunk = DEFAULT_LOSS_CHUNK  # evaluation never needs more memory than a training step
+        try:
+            loss, logits, labels = super().prediction_step(call, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            state.loss_chunk = setting
         if loss is not None and self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs:
             loss = self.accelerator.reduce(loss, "sum") / self.args.world_size  # dp * S_d / N -> sum_d S_d / N
         return loss, logits, labels
