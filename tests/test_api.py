@@ -112,3 +112,17 @@ def test_cp_size_not_dividing_world():
 def test_bad_timeout():
     with pytest.raises(ValueError, match="timeout=-1"):
         build_mesh(None, timeout=-1)
+
+
+def test_comm_volume_from_shapes():
+    from hfcp.attention.volume import comm_bytes
+
+    shape = dict(batch=1, seq_len=131072, heads=32, kv_heads=8, head_dim=128, cp=8)
+    ring, ulysses = comm_bytes("ring", **shape), comm_bytes("ulysses", **shape)
+    assert comm_bytes("usp", **shape, ulysses_size=1) == ring  # u = 1 is the ring
+    assert comm_bytes("usp", **shape, ulysses_size=8) == ulysses  # u = cp is Ulysses
+    kv_block = 131072 / 8 * 8 * 128  # elements of one local K block
+    assert ring == 7 * 2 * kv_block * 2 * 2 + 8 * 2 * kv_block * 4
+    assert comm_bytes("usp", **shape, ulysses_size=2) < ring  # the ring over 4 groups moves fewer blocks
+    with pytest.raises(ValueError, match="strategy='zigzag'"):
+        comm_bytes("zigzag", **shape)
