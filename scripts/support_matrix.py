@@ -49,7 +49,7 @@ def render_table(results) -> str:
     for r in results:
         detail = r["detail"].replace("|", "/").replace("\n", " ")
         if r["result"] == "exact":
-            detail = f"cp 2 ring vs unpatched: {detail}"
+            detail = f"cp 2 vs unpatched, worst of {detail}"
         lines.append(f"| {r['type']} | {r['result']} | {detail[:220]} |")
     lines += ["", "</details>", "", END]
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """The family sweep: every model_type of transformers' causal-LM mapping, a tiny random config that keeps the
-family's features (caps and biases made to matter), patched (cp 2, ring, the default chunked loss) against the
-unpatched model: loss and every gradient. Each type comes out exact, refused (with hfcp's reason), or not
+family's features (caps and biases made to matter), patched (cp 2, ring, allgather and ulysses, the default
+chunked loss) against the unpatched model: loss and every gradient. Each type comes out exact, refused (with hfcp's reason), or not
 built (no tiny model could be made from its config). Run on every rank of a 2-process pool."""
 from __future__ import annotations
 
@@ -57,29 +57,50 @@ def _check(model_type: str) -> dict:
         ref_loss.backward()
     except Exception as e:  # noqa: BLE001
         return {**out, "result": "reference failed", "detail": f"{type(e).__name__}: {str(e)[:150]}"}
+    want = _grads(ref)
+    errs = {}
+    for strategy in STRATEGIES:  # the ring decides refusals; the others must agree with it
+        try:
+            errs[strategy] = _patched_errors(model if strategy == "ring" else build(model_type), data, strategy,
+                                             want, ref_loss.item())
+        except (ValueError, RuntimeError, TypeError) as e:  # hfcp's refusals are ValueError / UnsupportedModelError
+            if strategy == "ulysses" and "not both divisible" in str(e):
+                continue  # the family's head counts do not split over cp: the ring and allgather cover it
+            name = type(e).__name__
+            ours = isinstance(e, ValueError) or (isinstance(e, RuntimeError) and "hfcp" in str(e))
+            refused = ours and not isinstance(e, hfcp.CollectiveError)  # a clear error, raised on every rank
+            if strategy != "ring":
+                return {**out, "result": "error", "detail": f"{strategy}: {name}: {str(e)[:300]}"}
+            return {**out, "result": "refused" if refused else "error", "detail": f"{name}: {str(e)[:300]}"}
+    loss_err = max(e[0] for e in errs.values())
+    grad_err = max(e[1] for e in errs.values())
+    same_keys = all(e[2] for e in errs.values())
+    exact = same_keys and loss_err < 1e-5 and grad_err < 1e-4
+    detail = f"{', '.join(errs)}: loss {loss_err:.1e}, grad {grad_err:.1e}" + ("" if same_keys else ", grads differ")
+    return {**out, "result": "exact" if exact else "mismatch", "detail": detail}
+
+
+STRATEGIES = ("ring", "allgather", "ulysses")
+
+
+def _patched_errors(model, data, strategy: str, want: dict, ref_loss: float):
+    """(loss error, worst gradient error, same gradient keys) of the patched model against the reference."""
+    import hfcp
+
     try:
-        hfcp.patch(model, process_group=dist.group.WORLD)  # one group for the whole sweep
+        hfcp.patch(model, strategy=strategy, process_group=dist.group.WORLD)  # one group for the whole sweep
         loss = model(**data).loss
         loss.backward()
-    except (ValueError, RuntimeError, TypeError) as e:  # hfcp's refusals are ValueError / UnsupportedModelError
+    finally:
         hfcp.unpatch(model)
-        name = type(e).__name__
-        ours = isinstance(e, ValueError) or (isinstance(e, RuntimeError) and "hfcp" in str(e))
-        refused = ours and not isinstance(e, hfcp.CollectiveError)  # a clear error from hfcp, raised on every rank
-        return {**out, "result": "refused" if refused else "error", "detail": f"{name}: {str(e)[:300]}"}
-    want, got = _grads(ref), _grads(model)
+    got = _grads(model)
     for g in got.values():
         dist.all_reduce(g)
         g /= dist.get_world_size()
     floor = max(1e-3 * max(float(g.abs().max()) for g in want.values()), 1e-12)
     grad_err = max((float((got[n] - want[n]).abs().max()) / max(float(want[n].abs().max()), floor) for n in want),
                    default=math.inf)
-    loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-    same_keys = got.keys() == want.keys()
-    hfcp.unpatch(model)
-    exact = same_keys and loss_err < 1e-5 and grad_err < 1e-4
-    return {**out, "result": "exact" if exact else "mismatch",
-            "detail": f"loss {loss_err:.1e}, grad {grad_err:.1e}" + ("" if same_keys else ", grads differ in keys")}
+    return abs(loss.item() - ref_loss) / abs(ref_loss), grad_err, got.keys() == want.keys()
 
 
 def sweep(types=None, progress: bool = False) -> list[dict]:
