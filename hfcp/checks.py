@@ -65,13 +65,14 @@ def content_digest(t: torch.Tensor) -> torch.Tensor:
 
 def batch_digest(kw: dict, names=BATCH_NAMES, device=None) -> torch.Tensor:
     """(2 * len(names),) int64: (meta, content) digest of each named argument (None and absent alike)."""
+    device = device or torch.device("cpu")
     parts = []
     for name in names:
         v = kw.get(name)
-        parts.append(torch.tensor(_meta_digest(v), dtype=torch.int64))
-        parts.append(content_digest(v).cpu() if isinstance(v, torch.Tensor) else torch.zeros((), dtype=torch.int64))
-    out = torch.stack(parts)
-    return out.to(device) if device is not None else out
+        parts.append(torch.tensor(_meta_digest(v), dtype=torch.int64, device=device))
+        parts.append(content_digest(v).to(device) if isinstance(v, torch.Tensor)
+                     else torch.zeros((), dtype=torch.int64, device=device))
+    return torch.stack(parts)
 
 
 def check_same_batch(kw: dict, group, names=BATCH_NAMES) -> None:

@@ -79,7 +79,7 @@ IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache",
 
 def refuse_unimplemented(module, kwargs: dict) -> None:
     """Raises ValueError for an attention argument that would change the result and that hfcp does not implement
-    (logit softcapping, sinks, position biases, sparse indices, ...): dropping it would be silently wrong. A
+    (position biases, sparse-attention indices, ...): dropping it would be silently wrong. A
     None or False value changes nothing and passes. Every rank raises alike, at its first attention call."""
     for name, value in kwargs.items():
         if name in IGNORED_KWARGS or value is None or value is False:

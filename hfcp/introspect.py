@@ -22,7 +22,7 @@ import textwrap
 import torch
 
 # class-name fragments of sequence mixers other than attention (state-space, convolution, recurrence, linear attention)
-_OTHER_MIXERS = re.compile(r"Mamba|SSM|Mixer|ShortConv|ShortConvolution|DeltaNet|LinearAttention|Recurrent|RGLRU|"
+_OTHER_MIXERS = re.compile(r"Mamba|SSM|Mixer|ShortConv|DeltaNet|LinearAttention|Recurrent|RGLRU|"
                            r"Retention|Rwkv|TimeMix|Hyena|Lightning")
 
 
@@ -46,7 +46,7 @@ def interface_attention_classes(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 def decoder_layers(model, num_layers: int) -> list[torch.nn.Module] | None:
-    """The ModuleList of `num_layers` decoder layers (the largest such list), or None."""
+    """The first ModuleList of `num_layers` modules (the decoder layers), or None."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
     return list(lists[0]) if lists else None
 

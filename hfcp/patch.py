@@ -85,7 +85,7 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
     patcher = REGISTRY.lookup(inner.config.model_type)
     reason = unsupported_config(inner.config.get_text_config())
     if patcher.read_from_model:
-        _warn_if_verified_elsewhere(inner.config.model_type)
+        _warn_if_verified_elsewhere(patcher)
         classes = interface_attention_classes(inner)
         reason = reason or (None if classes else "none of its modules computes attention through transformers' "
                             "AttentionInterface (its sequence mixing happens elsewhere)")
@@ -97,16 +97,13 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
     return patcher
 
 
-def _warn_if_verified_elsewhere(model_type: str) -> None:
+def _warn_if_verified_elsewhere(patcher: Patcher) -> None:
     import transformers
 
-    from .patches import verified
-
-    shown_with = getattr(verified, "TRANSFORMERS_VERSION", None)
-    if transformers.__version__ != shown_with:
+    if patcher.verified_with is not None and transformers.__version__ != patcher.verified_with:
         log.warning("hfcp: model_type=%r was shown exact with transformers %s, this is %s; the runtime checks still "
                     "refuse what hfcp does not implement, and scripts/support_matrix.py reruns the sweep",
-                    model_type, shown_with, transformers.__version__)
+                    patcher.model_type, patcher.verified_with, transformers.__version__)
 
 
 def _head_kind(model: PreTrainedModel, model_type: str, token_model: bool) -> str:

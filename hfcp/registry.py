@@ -25,6 +25,7 @@ class Patcher:
         unsupported_reason: set for a known model_type that cannot be made exact; lookups raise with it.
         read_from_model: the attention classes are read from the model at patch time (a family the family sweep
             showed exact; see patches/verified.py), and the model is checked for other sequence mixers.
+        verified_with: the transformers version the family sweep showed this family exact with, if it did.
     """
 
     model_type: str
@@ -37,6 +38,7 @@ class Patcher:
     pooler_output_is_first_token: bool = False
     unsupported_reason: str | None = None
     read_from_model: bool = False
+    verified_with: str | None = None
 
 
 _HOW_TO_REGISTER = (

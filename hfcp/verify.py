@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_no_grad
+
 LOSS_TOL, GRAD_TOL, LOGIT_TOL = 1e-5, 1e-4, 1e-4
 
 
@@ -67,7 +69,9 @@ def _grads(model) -> dict:
     return {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _grad_err(got: dict, want: dict) -> float:
+def grad_error(got: dict, want: dict) -> float:
+    """Worst relative error over named gradients, each relative to its own max, with a floor at 1e-3 of the largest
+    (a gradient that is 0 in exact arithmetic holds float noise in both computations)."""
     floor = max(1e-3 * max(float(g.abs().max()) for g in want.values()), 1e-12)
     return max(float((got[n] - want[n]).abs().max()) / max(float(want[n].abs().max()), floor) for n in want)
 
@@ -106,36 +110,28 @@ def run_rank(model_name: str, seq_len: int, strategy: str, data: str | None) -> 
     except ValueError as e:  # hfcp's refusals (UnsupportedModelError is one), raised on every rank
         report.reason = str(e)
         return report
-    report.peak_mem_mb = [float(x) for x in _gather_floats(_peak_mb(device))]
+    peak = torch.tensor([[_peak_mb(device)]], dtype=torch.float64, device=device)
+    report.peak_mem_mb = all_gather_no_grad(peak, dist.group.WORLD, dim=0).flatten().tolist()
     grads = {n: g.to(device) for n, g in _grads(model).items()}
     for g in grads.values():  # DDP's average over the CP group: the single-device gradient
         dist.all_reduce(g)
         g /= cp
     grads = {n: g.cpu() for n, g in grads.items()}
     report.loss_err = abs(loss.item() - ref_loss) / abs(ref_loss)
-    report.grad_err = _grad_err(grads, ref_grads)
+    report.grad_err = grad_error(grads, ref_grads)
     report.logit_err = float((logits.double().cpu() - ref_logits).abs().max() / ref_logits.abs().max())
     exact = report.loss_err < LOSS_TOL and report.grad_err < GRAD_TOL and report.logit_err < LOGIT_TOL
     if not exact:  # decide against float64, which both fp32 computations approximate
         loss64, logits64, grads64 = _reference(model_name, ids.cpu(), torch.float64)
         report.fp64 = {
-            "hfcp": {"loss": abs(loss.item() - loss64) / abs(loss64), "grad": _grad_err(grads, grads64),
+            "hfcp": {"loss": abs(loss.item() - loss64) / abs(loss64), "grad": grad_error(grads, grads64),
                      "logits": float((logits.double().cpu() - logits64).abs().max() / logits64.abs().max())},
-            "fp32_reference": {"loss": abs(ref_loss - loss64) / abs(loss64), "grad": _grad_err(ref_grads, grads64)},
+            "fp32_reference": {"loss": abs(ref_loss - loss64) / abs(loss64), "grad": grad_error(ref_grads, grads64)},
         }
         h = report.fp64["hfcp"]
         exact = h["loss"] < LOSS_TOL and h["grad"] < GRAD_TOL and h["logits"] < LOGIT_TOL
     report.verdict = "exact" if exact else "not exact"
     return report
-
-
-def _gather_floats(x: float) -> list[float]:
-    t = torch.tensor([x], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [float(o) for o in out]
 
 
 def _worker(rank: int, cp: int, port: int, args: tuple, result_path: str) -> None:

@@ -102,4 +102,5 @@ VERIFIED = (
 )
 
 for _type in VERIFIED:
-    register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True))
+    register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True,
+                             verified_with=TRANSFORMERS_VERSION))

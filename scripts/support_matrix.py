@@ -30,7 +30,8 @@ def render_verified(results) -> str:
             f'TRANSFORMERS_VERSION = "{transformers.__version__}"  # the version the sweep ran with\n'
             f"VERIFIED = (\n{types})\n\n"
             "for _type in VERIFIED:\n"
-            "    register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True))\n")
+            "    register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True,\n"
+            "                             verified_with=TRANSFORMERS_VERSION))\n")
 
 
 def render_table(results) -> str:

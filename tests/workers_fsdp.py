@@ -1,7 +1,6 @@
 """FSDP2 (torch fully_shard) x CP: parameters sharded over all ranks, the sequence over each CP group."""
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 import hfcp

@@ -26,7 +26,7 @@ def ring_forward(q, k, v, sb: StepBatch, spec: MaskSpec, scale: float, group, ra
     cp, rank = group_size(group), group_rank(group)
     ranges_of = ranges_of or sb.layout.ranges
     comm = RingComm(group, KV_TAG)
-    out, lse = new_accumulators(q)  # (B, H, L/cp, D), (B, H, L/cp) fp32
+    out, lse = new_accumulators(q)  # (B, H, L/cp, D), (B, H, L/cp) in acc_dtype
     q_ranges = ranges_of(rank)
     kv = [k, v]
     for step in range(cp):

@@ -17,6 +17,21 @@ def add_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None):
     return out * torch.exp(lse - total)[..., None].to(out.dtype), total
 
 
+def head_group(sink: torch.Tensor | None, groups: int, index: int):
+    """The sink logits of head group `index` of `groups` (after an all-to-all over heads), or None."""
+    return None if sink is None else sink.view(groups, -1)[index]
+
+
+def head_group_sink_grad(dout, out, total, sink: torch.Tensor | None, groups: int, index: int):
+    """sink_grad of head group `index`, placed in a (H,) gradient that is zero elsewhere (or None): the other head
+    groups' ranks give the rest, and the group's gradient convention sums them."""
+    if sink is None:
+        return None
+    grad = torch.zeros_like(sink).view(groups, -1)
+    grad[index] = sink_grad(dout, out, total, head_group(sink, groups, index))
+    return grad.view(-1)
+
+
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, total: torch.Tensor, sink: torch.Tensor | None):
     """d loss / d sink (H,) from dout, the final out and lse_total of the local queries (None without a sink)."""
     if sink is None:

@@ -8,7 +8,7 @@ from ..collectives import all_to_all_heads, all_to_all_sequence, group_rank, gro
 from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
 from .kernels import acc_dtype
-from .sinks import add_sink, sink_grad
+from .sinks import add_sink, head_group, head_group_sink_grad
 
 
 def check_heads(num_heads: int, num_kv_heads: int, cp: int) -> None:
@@ -41,8 +41,7 @@ class UlyssesAttention(torch.autograd.Function):
         tiles = plan_tiles(spec, sb, whole, whole, q.dtype, q.device)
         out_n, lse_n = new_accumulators(qn)
         forward_tiles(qn, kn, vn, tiles, scale, out_n, lse_n)
-        local_sink = None if sink is None else sink.view(cp, -1)[group_rank(group)]  # this rank's head group
-        out_n, lse_n = add_sink(out_n, lse_n, local_sink)
+        out_n, lse_n = add_sink(out_n, lse_n, head_group(sink, cp, group_rank(group)))  # this rank's heads
         out_n = out_n.to(q.dtype)
         ctx.save_for_backward(qn, kn, vn, out_n, lse_n, order, inverse, sink)
         ctx.args = (sb, spec, scale, group)
@@ -58,12 +57,7 @@ class UlyssesAttention(torch.autograd.Function):
         dout_n = natural(all_to_all_heads([dout], group)[0], inverse)
         backward_tiles(dout_n, qn, kn, vn, out_n, lse_n, tiles, scale, dq, dk, dv)
         grads = all_to_all_sequence([natural(g.to(t.dtype), order) for g, t in ((dq, qn), (dk, kn), (dv, vn))], group)
-        dsink = None
-        if sink is not None:  # this rank holds its head group's whole sequence: its slice of the gradient
-            cp, rank = group_size(group), group_rank(group)
-            dsink = torch.zeros_like(sink).view(cp, -1)
-            dsink[rank] = sink_grad(dout_n, out_n, lse_n, sink.view(cp, -1)[rank])
-            dsink = dsink.view(-1)
+        dsink = head_group_sink_grad(dout_n, out_n, lse_n, sink, group_size(group), group_rank(group))
         return (*grads, dsink, None, None, None, None)
 
 

@@ -17,7 +17,7 @@ from ..collectives import all_to_all_heads, all_to_all_sequence, group_rank
 from ..layout import StepBatch
 from .blocks import MaskSpec
 from .ring import ring_backward, ring_forward
-from .sinks import add_sink, sink_grad
+from .sinks import add_sink, head_group, head_group_sink_grad
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,10 @@ def check_ulysses_size(ulysses_size, cp: int, num_heads: int, num_kv_heads: int)
     Raises:
         ValueError: a size that is not a positive divisor of cp, or does not divide both head counts.
     """
+    good = [u for u in range(1, cp + 1) if cp % u == 0 and num_heads % u == 0 and num_kv_heads % u == 0]
     if ulysses_size is None:
-        return max(u for u in range(1, cp + 1) if cp % u == 0 and num_heads % u == 0 and num_kv_heads % u == 0)
-    ok = isinstance(ulysses_size, int) and not isinstance(ulysses_size, bool) and ulysses_size >= 1
-    if not ok or cp % ulysses_size or num_heads % ulysses_size or num_kv_heads % ulysses_size:
-        good = [u for u in range(1, cp + 1) if cp % u == 0 and num_heads % u == 0 and num_kv_heads % u == 0]
+        return good[-1]
+    if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size not in good:
         raise ValueError(f"ulysses_size={ulysses_size!r} must divide cp_size={cp}, num_attention_heads={num_heads} "
                          f"and num_key_value_heads={num_kv_heads}; choose one of {good}")
     return ulysses_size
@@ -76,8 +75,7 @@ class UspAttention(torch.autograd.Function):
         u = groups.ulysses_size
         qh, kh, vh = all_to_all_heads([q, k, v], groups.ulysses)  # (B, H/u, u*L/cp, D)
         out, lse = ring_forward(qh, kh, vh, sb, spec, scale, groups.ring, _ranges_of(sb, u))
-        local_sink = None if sink is None else sink.view(u, -1)[group_rank(groups.ulysses)]  # this rank's heads
-        out, lse = add_sink(out, lse, local_sink)
+        out, lse = add_sink(out, lse, head_group(sink, u, group_rank(groups.ulysses)))  # this rank's heads
         out = out.to(q.dtype)
         ctx.save_for_backward(qh, kh, vh, out, lse, sink)
         ctx.args = (sb, spec, scale, groups)
@@ -91,12 +89,7 @@ class UspAttention(torch.autograd.Function):
         dout_h = all_to_all_heads([dout], groups.ulysses)[0]
         grads = ring_backward(dout_h, qh, kh, vh, out, lse, sb, spec, scale, groups.ring, _ranges_of(sb, u))
         dq, dk, dv = all_to_all_sequence(list(grads), groups.ulysses)
-        dsink = None
-        if sink is not None:  # this rank's heads, its ring's queries: the group sums the rest
-            m = group_rank(groups.ulysses)
-            dsink = torch.zeros_like(sink).view(u, -1)
-            dsink[m] = sink_grad(dout_h, out, lse, sink.view(u, -1)[m])
-            dsink = dsink.view(-1)
+        dsink = head_group_sink_grad(dout_h, out, lse, sink, u, group_rank(groups.ulysses))  # its ring's queries
         return dq, dk, dv, dsink, None, None, None, None
 
 

@@ -85,7 +85,8 @@ class HfcpTrainerMixin:
     # ---- data over DP groups -------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        if cp_state(getattr(self, "model", None)) is not None:  # re-created by train(): keep the DP sharding
+        model = getattr(self, "model", None)
+        if model is not None and cp_state(model) is not None:  # re-created by train(): keep the DP sharding
             self._install_dp_data_loader()
 
     def _install_dp_data_loader(self) -> None:
