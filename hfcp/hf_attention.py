@@ -36,13 +36,27 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             "is a checkpointed layer recomputed after a forward of another sequence length (run backward first)?"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    spec = MaskSpec(bool(causal), sliding_window, float(softcap) if softcap else None)
+    spec = MaskSpec(bool(causal), sliding_window, float(softcap) if softcap else None, attention_chunk(module))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = same_dtype(query, key, value, type(module).__name__)
     query, key, value, v_dim = same_head_dim(query, key, value)
     with torch.autocast(query.device.type, enabled=False):  # the strategies choose their own precisions
         out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.attention_group, sink)
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
+
+
+def attention_chunk(module) -> int | None:
+    """The attention chunk size of this module's layer (transformers' chunked attention: config.attention_chunk_size
+    on the layers whose config.layer_types entry is "chunked_attention"; the mask alone applies it), or None."""
+    cfg = getattr(module, "config", None)
+    size = getattr(cfg, "attention_chunk_size", None)
+    if not size:
+        return None
+    types, idx = getattr(cfg, "layer_types", None), getattr(module, "layer_idx", None)
+    if types is None or not isinstance(idx, int) or not 0 <= idx < len(types):
+        raise ValueError(f"{type(module).__name__}: config.attention_chunk_size={size} but hfcp cannot tell whether "
+                         f"this layer (layer_idx={idx!r}) is chunked (config.layer_types={types!r})")
+    return int(size) if types[idx] == "chunked_attention" else None
 
 
 def take_sink(module, kwargs: dict, num_heads: int):
@@ -72,9 +86,10 @@ def same_head_dim(query, key, value):
 
 
 # Keyword arguments that carry nothing hfcp's attention needs: positions (the step holds the global ones), the
-# cache flag (the hook refuses a cache) and the loss's token count. Any other one is implemented or refused.
-IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache",
-                            "num_items_in_batch"})  # a loss keyword that some models also pass down to attention
+# cache flag (the hook refuses a cache), the loss's token count and the router-logits recording flag (MoE families
+# pass both down to every layer). Any other one is implemented or refused.
+IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "num_items_in_batch",
+                            "output_router_logits"})
 
 
 def refuse_unimplemented(module, kwargs: dict) -> None:

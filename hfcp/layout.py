@@ -93,12 +93,15 @@ class StepBatch:
 
     doc_ids:   (B, padded_len) long, non-decreasing per row, or None when no row is packed.
     key_valid: (B, padded_len) bool, or None when every key is valid.
+    positions: (B, padded_len) long position ids when a row is packed (transformers then evaluates the masks of
+               packed rows on positions: chunked attention restarts in each document), else None.
     """
 
     layout: Layout
     rank: int
     doc_ids: torch.Tensor | None
     key_valid: torch.Tensor | None
+    positions: torch.Tensor | None = None
     plans: dict = field(default_factory=dict)  # attention block plans, cached for all layers of the step
 
     @property
@@ -119,13 +122,14 @@ def build_step_batch(
     Packing is detected only when there is no attention_mask, as transformers does.
     """
     L, P = layout.seq_len, layout.padded_len
-    doc_ids = None
+    doc_ids = positions = None
     if attention_mask is None and position_ids is not None:
         docs = document_ids(position_ids.expand(batch_size, -1))
         if bool((docs[:, -1] > 0).any()):
             # padding forms one more document after the last, so ids stay non-decreasing
             doc_ids = pad_to(docs, P, 1, 0)
             doc_ids[:, L:] = docs[:, -1:] + 1
+            positions = pad_to(position_ids.expand(batch_size, -1), P, 1, 0)
     key_valid = None
     if attention_mask is not None:
         valid = attention_mask.to(device=device, dtype=torch.bool).expand(batch_size, -1)
@@ -135,4 +139,4 @@ def build_step_batch(
         key_valid[:, :L] = True
     if key_valid is not None and bool(key_valid.all()):
         key_valid = None
-    return StepBatch(layout, rank, doc_ids, key_valid)
+    return StepBatch(layout, rank, doc_ids, key_valid, positions)

@@ -10,6 +10,7 @@ from .checks import check_same_batch, check_shapes, check_token_range
 from .layout import Layout, build_step_batch, document_ids, pad_to
 from .collectives import all_reduce_no_grad
 from .linear_ce import add_token_stats
+from .router_loss import global_aux
 from .loss import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean, shift_labels
 
 
@@ -48,9 +49,6 @@ def check_call(kw: dict) -> None:
         raise ValueError("fused_lm_head=True runs the model's backbone around hfcp (each rank would attend within its "
                          "own shard only); train with hfcp.integrations.HfcpSFTTrainer, whose loss and metrics go "
                          "through hfcp's chunked loss")
-    if kw.get("output_router_logits"):
-        raise ValueError("output_router_logits=True: the MoE router auxiliary loss would be taken over a rank's tokens "
-                         "only (hfcp does not compute it from whole-sequence statistics yet); leave it off")
     keep = kw.get("logits_to_keep", 0)
     if isinstance(keep, torch.Tensor) or keep not in (0, None):
         raise ValueError(f"logits_to_keep={keep!r} is not supported by hfcp (only 0: all logits); take the positions "
@@ -145,6 +143,22 @@ def loss_chunk_for(setting, training: bool) -> int | None:
     return setting
 
 
+def router_logits_wanted(state, module, kw: dict) -> bool:
+    """Whether this forward outputs router logits (the argument, else the config), so that the MoE router aux loss
+    must be computed; raises ValueError (on every rank alike) when hfcp cannot compute it exactly."""
+    wanted = kw.get("output_router_logits")
+    if wanted is None:
+        wanted = getattr(module.config, "output_router_logits", False)
+    if not wanted or state.router_aux is None:
+        return False  # a family without the aux loss returns its (local) router logits as they are
+    if isinstance(state.router_aux, str):
+        raise ValueError(f"output_router_logits=True: {state.router_aux}, so its auxiliary loss would be taken over a "
+                         "rank's tokens only; leave output_router_logits off")
+    if kw.get("return_dict") is False:
+        raise ValueError("return_dict=False with output_router_logits=True is not supported by hfcp; use return_dict")
+    return True
+
+
 class ShardSequenceHook(ModelHook):
     """pre_forward: full batch -> per-step layout + local input_ids/inputs_embeds/position_ids, shifted
     local labels kept aside; post_forward: loss = global token-weighted mean, equal on every rank."""
@@ -163,6 +177,7 @@ class ShardSequenceHook(ModelHook):
         if st.check_inputs:  # a collective that cannot raise first: then every rank holds the same batch ...
             check_same_batch(kw, st.mesh.cp_group)
         x, labels, targets_full = check_lm_batch(module, kw, st.head == "causal_lm")  # ... and these raise alike
+        st.router_logits_wanted, st.router_logits = router_logits_wanted(st, module, kw), None
         if "use_cache" in inspect.signature(module._old_forward).parameters:
             kw["use_cache"] = False
         B, L = x.shape[:2]
@@ -204,7 +219,7 @@ class ShardSequenceHook(ModelHook):
 
         def loss_instead_of_logits(hidden, *args, **kwargs):
             head.forward = original  # one call only, and chunks call the real head
-            st.loss_sum = chunked_ce_sum(hidden, targets, head, chunk, st.token_stats)
+            st.loss_sum = chunked_ce_sum(hidden, targets, head, chunk, st.token_stats, st.logit_transform)
             return hidden.new_zeros(*hidden.shape[:-1], 0)  # (B, L/cp, 0): no logits materialised
 
         head.forward = loss_instead_of_logits
@@ -219,8 +234,9 @@ class ShardSequenceHook(ModelHook):
         st = self.state
         check_attention_ran(st, module)
         stamp_sequence_outputs(output, st.step)
+        aux = self._router_aux(module, output)
         if st.targets is None:
-            return output
+            return output if aux is None else type(output)(**{**output, "aux_loss": aux})
         chunked = self._chunk
         if chunked:
             self.restore_pending_head()
@@ -242,7 +258,28 @@ class ShardSequenceHook(ModelHook):
         fields = {k: v for k, v in output.items() if k != "loss"}
         if chunked:
             fields["logits"] = None  # never materialised; pass loss_chunk=None to hfcp.patch to get them
+        if aux is not None:  # as the model's forward: loss += coef * aux
+            loss = loss + st.router_aux.coef * aux
+            fields["aux_loss"] = aux
         return type(output)(loss=loss, **fields)
+
+    def _router_aux(self, module, output):
+        """The MoE router aux loss of the whole sequence when this forward recorded router logits, else None;
+        the output keeps this rank's router logits (sequence outputs stay local)."""
+        st = self.state
+        if not st.router_logits_wanted:
+            return None
+        logits, st.router_logits = st.router_logits, None
+        if not logits:
+            raise ValueError(f"{type(module).__name__} recorded no router logits with output_router_logits=True (no MoE "
+                             "layer ran?), so hfcp cannot compute the router aux loss; leave output_router_logits off")
+        sb = st.step
+        B = logits[0].numel() // (sb.layout.local_len * st.router_aux.num_experts)
+        valid = torch.ones(B, sb.layout.local_len, device=logits[0].device)
+        if sb.key_valid is not None:  # padding (the user's and the layout's) counts for nothing, as in transformers
+            valid = sb.key_valid.index_select(1, sb.local_index.to(sb.key_valid.device)).to(valid)
+        output["router_logits"] = logits
+        return global_aux(logits, valid.reshape(-1), st.router_aux, st.mesh.cp_group)
 
 
 def check_attention_ran(state, module) -> None:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .collectives import all_reduce_sum
-from .linear_ce import IGNORE_INDEX, add_token_stats, chunk_starts, linear_cross_entropy_sum
+from .linear_ce import IDENTITY, IGNORE_INDEX, LogitTransform, add_token_stats, chunk_starts, linear_cross_entropy_sum
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -37,8 +37,9 @@ def global_mean(local_sum: torch.Tensor, denominator, group) -> torch.Tensor:
     return total / denominator
 
 
-def _chunk_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, stats, first_run: list) -> torch.Tensor:
-    logits = head(hidden)
+def _chunk_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, stats, first_run: list,
+                  transform: LogitTransform) -> torch.Tensor:
+    logits = transform(head(hidden))
     if first_run:  # not again when checkpointing recomputes this chunk in backward
         first_run.clear()
         add_token_stats(logits, targets, stats)
@@ -46,9 +47,9 @@ def _chunk_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, stats, firs
 
 
 def chunked_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int,
-                   stats: torch.Tensor | None = None) -> torch.Tensor:
-    """sum of CE(head(hidden), targets) over valid tokens, `chunk` tokens at a time: the (tokens x vocab)
-    logits of a chunk exist only inside it.
+                   stats: torch.Tensor | None = None, transform: LogitTransform = IDENTITY) -> torch.Tensor:
+    """sum of CE(transform(head(hidden)), targets) over valid tokens, `chunk` tokens at a time: the (tokens x
+    vocab) logits of a chunk exist only inside it. `transform`: the model's logit scale / softcap.
 
     A plain nn.Linear head takes the fused path (linear_ce: gradients taken in forward, nothing recomputed);
     any other head (a PEFT-wrapped lm_head, say) is called per chunk under activation checkpointing, so
@@ -58,12 +59,12 @@ def chunked_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int
     add_token_stats.
     """
     if type(head) is torch.nn.Linear:
-        return linear_cross_entropy_sum(hidden, targets, head, chunk, stats)
+        return linear_cross_entropy_sum(hidden, targets, head, chunk, stats, transform)
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(hidden.device)
     total = None
     for start in chunk_starts(t, chunk):
         part = checkpoint(_chunk_ce_sum, h[start : start + chunk], t[start : start + chunk], head, stats, [True],
-                          use_reentrant=False)
+                          transform, use_reentrant=False)
         total = part if total is None else total + part
     return total

@@ -13,12 +13,14 @@ from transformers.models.auto import modeling_auto
 from .attention import STRATEGIES, build_usp_groups, check_heads, check_ulysses_size
 from .collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
-from .introspect import interface_attention_classes, logits_postprocessed, other_mixers, unsupported_config
+from .introspect import interface_attention_classes, logit_transform, other_mixers, router_aux_loss
 from . import vision_hooks
 from .lm_hooks import ShardSequenceHook
+from .linear_ce import IDENTITY, LogitTransform
 from .layout import StepBatch
 from .mesh import Mesh, as_timedelta, build_mesh
 from .registry import REGISTRY, Patcher, UnsupportedModelError
+from .router_loss import RouterStatsHook
 
 log = logging.getLogger("hfcp")
 
@@ -35,6 +37,7 @@ class CPState:
     settings: dict
     check_inputs: bool = True
     loss_chunk: int | str | None = "auto"
+    logit_transform: LogitTransform = IDENTITY  # what the model does to its head's output (the chunked loss applies it)
     modules: list = field(default_factory=list)
     hooks: list = field(default_factory=list)  # [(module, hook)] attached by patch
     step: StepBatch | None = None
@@ -43,6 +46,9 @@ class CPState:
     loss_sum: torch.Tensor | None = None
     attention_calls: set = field(default_factory=set)  # id() of the attention modules that ran this forward
     attention_group: object = None  # what the strategy communicates over: the CP group, or usp's sub-groups
+    router_aux: object = None  # RouterAux, None (no aux loss in the forward) or why hfcp cannot compute it
+    router_logits_wanted: bool = False  # this forward records router logits: the aux loss is computed
+    router_logits: tuple | None = None  # this forward's local router logits, taken by RouterStatsHook
     want_token_stats: bool = False  # set by integrations whose metrics need them (HfcpSFTTrainer)
     token_stats: torch.Tensor | None = None  # last forward with labels: (3,) fp64 [targets, top-1 hits, entropy sum]
 
@@ -83,18 +89,17 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
         UnsupportedModelError: no record, a known refusal, or a model that needs what hfcp does not implement.
     """
     patcher = REGISTRY.lookup(inner.config.model_type)
-    reason = unsupported_config(inner.config.get_text_config())
-    if patcher.read_from_model:
-        _warn_if_verified_elsewhere(patcher)
-        classes = interface_attention_classes(inner)
-        reason = reason or (None if classes else "none of its modules computes attention through transformers' "
-                            "AttentionInterface (its sequence mixing happens elsewhere)")
-        reason = reason or other_mixers(inner, classes)
-        patcher = dataclasses.replace(patcher, attention_classes=classes, read_from_model=False)
+    if not patcher.read_from_model:
+        return patcher
+    _warn_if_verified_elsewhere(patcher)
+    classes = interface_attention_classes(inner)
+    reason = None if classes else ("none of its modules computes attention through transformers' AttentionInterface "
+                                   "(its sequence mixing happens elsewhere)")
+    reason = reason or other_mixers(inner, classes)
     if reason is not None:
         raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}) is not "
                                     f"supported by hfcp: {reason}")
-    return patcher
+    return dataclasses.replace(patcher, attention_classes=classes, read_from_model=False)
 
 
 def _warn_if_verified_elsewhere(patcher: Patcher) -> None:
@@ -157,9 +162,10 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     patcher = patcher_for(inner)  # raises on every rank before any collective
     head = _head_kind(inner, model_type, token_model=bool(patcher.embeddings_classes))
     chunk = loss_chunk if head == "causal_lm" else None
-    if chunk is not None and logits_postprocessed(inner):
-        log.info("hfcp: %s changes its logits after the output head; its loss is computed from those logits "
-                 "(loss_chunk=None)", type(inner).__name__)
+    transform = logit_transform(inner) if chunk is not None else None
+    if chunk is not None and transform is None:
+        log.info("hfcp: %s changes its logits after the output head in a way hfcp does not read; its loss is "
+                 "computed from those logits (loss_chunk=None)", type(inner).__name__)
         chunk = None
     if not isinstance(check_inputs, bool):
         raise ValueError(f"check_inputs={check_inputs!r} must be True or False")
@@ -203,7 +209,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     state = CPState(mesh, strategy, patcher, head,
                     original_attn=inner.config._attn_implementation, settings=settings,
                     check_inputs=check_inputs, loss_chunk=chunk, attention_group=attention_group,
-                    modules=modules)
+                    modules=modules, logit_transform=transform or IDENTITY,
+                    router_aux=router_aux_loss(inner) if head == "causal_lm" else None)
     inner.set_attn_implementation(KEY)
     inner._hfcp_state = state
     for m in modules:
@@ -213,6 +220,12 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     else:
         state.hooks = [(inner, ShardSequenceHook(state))]
         add_hook_to_module(inner, state.hooks[0][1], append=True)
+        if state.router_aux is not None and not isinstance(state.router_aux, str):
+            if inner.base_model is inner:
+                state.router_aux = f"{type(inner).__name__} has no base model whose router logits hfcp can take"
+            else:
+                state.hooks.append((inner.base_model, RouterStatsHook(state)))
+                add_hook_to_module(inner.base_model, state.hooks[-1][1], append=True)
     log.info("hfcp: %s patched: strategy=%s cp=%d (dp=%d), %d attention modules",
              type(inner).__name__, strategy, mesh.cp_size, mesh.dp_size, len(modules))
     return model

@@ -1,6 +1,6 @@
 """Tiny random causal LMs of any transformers model_type: what the family sweep (tests/sweep_families.py) and
 `hfcp verify --model MODEL_TYPE` run. The config keeps the family's features (sliding windows where the family
-has one, MoE, MLA head dims, softcaps set low) at a size that runs in milliseconds."""
+has one, attention chunks, MoE with the router aux loss, MLA head dims, softcaps set low, logit scales) at a size that runs in milliseconds."""
 from __future__ import annotations
 
 import warnings
@@ -12,18 +12,20 @@ TINY = dict(
     num_key_value_heads=2, head_dim=8, max_position_embeddings=256, attention_dropout=0.0, hidden_dropout=0.0,
     dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, hidden_dropout_prob=0.0,
     attention_probs_dropout_prob=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    # mixture of experts: few, small experts (the router aux loss is off by default)
+    # mixture of experts: few, small experts, the router aux loss on and weighted so that it matters
+    output_router_logits=True, router_aux_loss_coef=1.0, aux_loss_coef=1.0,
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
     shared_expert_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0, moe_layer_freq=1,
     decoder_sparse_step=1, n_group=1, topk_group=1,
     # MLA (DeepSeek-style) dimensions, small, with the value head dim (12) other than the query/key one (16); RoPE over head_dim (8)
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
-    # caps made to bite
-    attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+    # caps and logit scales made to bite
+    attn_logit_softcapping=2.0, final_logit_softcapping=3.0, logits_scaling=2.0,
     use_cache=False,
 )
 WINDOW = 7  # for families whose config has a sliding window by default (a window the mask does not apply is
             # passed to attention by some families' code all the same: transformers' SDPA then ignores it)
+CHUNK = 8
 MAX_PARAMS = 3_000_000
 
 
@@ -35,9 +37,12 @@ def tiny_config(model_type: str):
         warnings.simplefilter("ignore")
         default = cls()
         extra = {"sliding_window": WINDOW} if getattr(default, "sliding_window", None) is not None else {}
+        if getattr(default, "attention_chunk_size", None):  # chunked attention (Llama 4): chunks inside the sequence
+            extra["attention_chunk_size"] = CHUNK
         if hasattr(default, "kv_lora_rank"):  # MLA: keys and values are expanded to every query head
             extra["num_key_value_heads"] = TINY["num_attention_heads"]
-        cfg = cls(**{**TINY, **extra})
+        settable = {k: v for k, v in TINY.items() if getattr(getattr(cls, k, None), "fset", True) is not None}
+        cfg = cls(**{**settable, **extra})  # (a config property without a setter keeps its own value)
     text = cfg.get_text_config()
     if text is not cfg:  # a composite config: shrink its text part the same way
         for k, v in TINY.items():

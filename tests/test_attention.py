@@ -14,6 +14,9 @@ MASKS = {
     "padded": dict(causal=True, padded=True),
     "odd_length": dict(causal=True, L=23),
     "mha": dict(causal=True, mha=True),
+    "chunked": dict(causal=True, chunk=6),  # Llama 4's chunked attention
+    "packed_chunked": dict(causal=True, packed=True, chunk=5),
+    "padded_chunked": dict(causal=True, padded=True, chunk=7),
 }
 TOL = 1e-5
 

@@ -40,6 +40,5 @@ def test_generated_support_matrix_is_current(sweep):
 
 def test_families_refused_for_their_features(pool2):
     out = pool2.run(S.refusals)[0]
-    assert "MoE router auxiliary loss" in out["mixtral_aux_loss"], out
-    assert "chunked attention" in out["llama4_chunked"], out
     assert "passes indices=tensor" in out["sparse_indices"], out
+    assert "router auxiliary loss is computed in a form hfcp does not read" in out["aux_loss_form"], out

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hfcp.linear_ce import LogitTransform
 from hfcp.loss import IGNORE_INDEX, chunked_ce_sum
 
 
@@ -72,3 +73,23 @@ def test_no_grad_gives_the_same_loss_and_second_backward_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward through it only once"):
         loss.backward()
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["fused", "checkpointed"])
+@pytest.mark.parametrize("transform", [LogitTransform(0.0625), LogitTransform(0.5), LogitTransform(1 / 3.0, True, 3.0),
+                                       LogitTransform(0.7, True, 1.3)], ids=["cohere", "granite", "gemma", "both"])
+def test_chunked_loss_applies_the_models_logit_transform(transform, wrap):
+    """Scale and softcap after the head (Cohere, Granite, Gemma 2): the same loss and gradients as the model's own
+    post-processed logits; the caps bite (logits scaled up so tanh saturates)."""
+    head, hidden, targets = _case(True, True, wrap)
+    with torch.no_grad():
+        hidden.mul_(4.0)
+    full = lambda h, x, t: F.cross_entropy(transform(h(x)).reshape(-1, 50), t.reshape(-1),  # noqa: E731
+                                           ignore_index=IGNORE_INDEX, reduction="sum")
+    ref_loss, ref_grads = _run(full, head, hidden, targets)
+    plain_loss, _ = _run(lambda h, x, t: chunked_ce_sum(x, t, h, 5), head, hidden, targets)
+    loss, grads = _run(lambda h, x, t: chunked_ce_sum(x, t, h, 5, transform=transform), head, hidden, targets)
+    assert abs(float(plain_loss - ref_loss)) > 1e-2 * abs(float(ref_loss)), "the transform does not matter here"
+    assert abs(float(loss - ref_loss)) <= 1e-6 * abs(float(ref_loss))
+    for g, r in zip(grads, ref_grads):
+        assert float((g - r).abs().max()) <= 2e-6 * float(r.abs().max()), (g - r).abs().max()

@@ -71,6 +71,14 @@ def dense_allowed(case, position_ids, attention_mask):
         allowed &= d[:, :, None] == d[:, None, :]
     if attention_mask is not None:
         allowed &= attention_mask.bool()[:, None, :]
+    if case.get("chunk"):  # transformers' chunked mask: packed rows chunk by position id, others by the index
+        C = case["chunk"]  # counted from the first valid token
+        if position_ids is not None:
+            c = position_ids // C
+        else:
+            left = (attention_mask.cumsum(-1) == 0).sum(-1, keepdim=True) if attention_mask is not None else 0
+            c = torch.div(torch.arange(L)[None] - left, C, rounding_mode="floor").expand(B, L)
+        allowed &= c[:, :, None] == c[:, None, :]
     return allowed[:, None]  # (B, 1, L, L)
 
 
@@ -116,7 +124,8 @@ def run_case(case: dict):
 
     ql, kl, vl = shard(q), shard(k), shard(v)
     sink_l = sink.clone().requires_grad_() if sink is not None else None
-    spec = MaskSpec(case["causal"], case.get("window"), None if case.get("drop_cap") else case.get("softcap"))
+    spec = MaskSpec(case["causal"], case.get("window"), None if case.get("drop_cap") else case.get("softcap"),
+                    case.get("chunk"))
     out = STRATEGIES[case["strategy"]](ql * case.get("q_gain", 1), kl, vl, sb, spec, scale, group_for(case, mesh),
                                        sink_l)
     out.backward(shard(dout).detach())

@@ -1,6 +1,7 @@
 """Block-sparse local attention over global index ranges: plan, forward, backward.
 
-Every mask is a predicate on global token indices (causal, sliding window, same document, valid key).
+Every mask is a predicate on global token indices (causal, sliding window, same document, same attention chunk,
+valid key).
 For each (query range, key range) pair the planner decides skip / full / causal-diagonal / partial;
 only partial tiles get a mask, and a partial tile larger than MAX_TILE x MAX_TILE is split first, so no
 mask larger than a tile is ever built. Plans are cached on the step's `StepBatch` and reused by every
@@ -25,6 +26,31 @@ class MaskSpec:
     causal: bool
     window: int | None  # keys with q - k >= window are masked (transformers' sliding_window)
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)
+    chunk: int | None = None  # chunked attention (Llama 4): keys in the query's chunk of this many tokens only
+
+
+def _groups(spec: MaskSpec, sb: StepBatch) -> list[torch.Tensor]:
+    """(B, padded_len) non-decreasing group ids a query and its keys must share: documents, attention chunks."""
+    groups = [sb.doc_ids] if sb.doc_ids is not None else []
+    if spec.chunk is not None:
+        key = ("chunk ids", spec.chunk)
+        if key not in sb.plans:
+            sb.plans[key] = chunk_ids(sb, spec.chunk)
+        groups.append(sb.plans[key])
+    return groups
+
+
+def chunk_ids(sb: StepBatch, chunk: int) -> torch.Tensor:
+    """(B or 1, padded_len) non-decreasing attention-chunk id of each token, as transformers' chunked mask: chunks
+    of `chunk` tokens counted from the first valid token of the row (after left padding, which gets negative ids);
+    in packed rows from each document's position 0 (the id then also tells the documents apart)."""
+    if sb.positions is not None:
+        return sb.doc_ids * sb.layout.padded_len + torch.div(sb.positions.to(sb.doc_ids), chunk, rounding_mode="floor")
+    idx = torch.arange(sb.layout.padded_len)
+    if sb.key_valid is None:
+        return (idx // chunk)[None]
+    left = (sb.key_valid.cpu().long().cumsum(-1) == 0).sum(-1, keepdim=True)  # (B, 1) leading padding
+    return torch.div(idx[None] - left, chunk, rounding_mode="floor").to(sb.key_valid.device)
 
 
 @dataclass
@@ -65,8 +91,7 @@ def _classify(spec: MaskSpec, sb: StepBatch, qs: int, ql: int, ks: int, kl: int)
         if qs - ke >= spec.window:
             return "skip", False
         other_partial |= qe - ks >= spec.window
-    if sb.doc_ids is not None:
-        d = sb.doc_ids
+    for d in _groups(spec, sb):
         dq0, dq1, dk0, dk1 = d[:, qs], d[:, qe], d[:, ks], d[:, ke]
         if bool(((dq1 < dk0) | (dk1 < dq0)).all()):
             return "skip", False
@@ -91,9 +116,8 @@ def _allowed(spec: MaskSpec, sb: StepBatch, qs: int, ql: int, ks: int, kl: int, 
     if spec.window is not None:
         allowed &= (qi - ki) < spec.window
     allowed = allowed[None, None]
-    if sb.doc_ids is not None:
-        d = sb.doc_ids
-        allowed = allowed & (d[:, qs : qs + ql, None] == d[:, None, ks : ks + kl])[:, None]
+    for d in _groups(spec, sb):
+        allowed = allowed & (d[:, qs : qs + ql, None] == d[:, None, ks : ks + kl])[:, None].to(device)
     if sb.key_valid is not None:
         allowed = allowed & sb.key_valid[:, None, None, ks : ks + kl]
     return allowed
@@ -140,7 +164,7 @@ def _causal_in_tensor_order(spec: MaskSpec, sb: StepBatch, ranges) -> bool:
     if spec.window is not None and spec.window < sb.layout.padded_len:
         return False
     lo, hi = ranges[0][0], ranges[-1][0] + ranges[-1][1] - 1
-    if sb.doc_ids is not None and not bool((sb.doc_ids[:, lo] == sb.doc_ids[:, hi]).all()):
+    if any(not bool((d[:, lo] == d[:, hi]).all()) for d in _groups(spec, sb)):
         return False
     return sb.key_valid is None or all(bool(sb.key_valid[:, s : s + n].all()) for s, n in ranges)
 

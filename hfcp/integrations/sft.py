@@ -40,7 +40,9 @@ class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
         if self.args.loss_type != "nll":
             problems.append(f"loss_type={self.args.loss_type!r} (hfcp's loss is the token-mean NLL)")
         if self.aux_loss_enabled:
-            problems.append("the MoE router auxiliary loss (not computed from whole-sequence statistics yet)")
+            problems.append("the MoE router auxiliary loss (TRL adds it itself, divided by the gradient accumulation "
+                            "steps; HfcpSFTTrainer does not reproduce that weighting: hfcp.integrations.HfcpTrainer "
+                            "adds it as the model's forward does)")
         if problems:
             raise ValueError(f"{type(self).__name__} cannot run exactly with: {'; '.join(problems)}")
         super()._hfcp_refuse_unsupported()
