@@ -58,7 +58,10 @@ def check_call(kw: dict) -> None:
 def _vocab(module, which: str) -> int:
     layer = module.get_input_embeddings() if which == "input" else module.get_output_embeddings()
     weight = getattr(layer, "weight", None)
-    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(module.config.get_text_config().vocab_size)
+    if not isinstance(weight, torch.Tensor):
+        return int(module.config.get_text_config().vocab_size)
+    shape = getattr(weight, "ds_shape", weight.shape)  # DeepSpeed ZeRO-3: a partitioned weight is empty locally
+    return int(shape[0])
 
 
 def check_lm_batch(module, kw: dict, causal_lm: bool):
@@ -233,7 +236,7 @@ class ShardSequenceHook(ModelHook):
     def post_forward(self, module, output):
         st = self.state
         check_attention_ran(st, module)
-        stamp_sequence_outputs(output, st.step)
+        st.local_output_names = stamp_sequence_outputs(output, st.step)
         aux = self._router_aux(module, output)
         if st.targets is None:
             return output if aux is None else type(output)(**{**output, "aux_loss": aux})
@@ -295,11 +298,17 @@ def check_attention_ran(state, module) -> None:
         )
 
 
-def stamp_sequence_outputs(output, step) -> None:
+def stamp_sequence_outputs(output, step) -> frozenset:
     """Tag the local sequence tensors of an output with their step, so that gather_sequence can refuse a tensor
-    of an earlier forward (its layout may differ even when its local length does not)."""
-    values = output if isinstance(output, tuple) else tuple(output.values())
-    for v in values:
+    of an earlier forward (its layout may differ even when its local length does not). Returns the names of the
+    output fields that hold them (router logits are (tokens, experts) rows: local, but not (batch, seq, ...))."""
+    items = enumerate(output) if isinstance(output, tuple) else output.items()
+    names = set()
+    for name, v in items:
+        if name == "router_logits":
+            continue
         for t in (v if isinstance(v, tuple) else (v,)):
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == step.layout.local_len:
                 t.hfcp_step = step
+                names.add(name)
+    return frozenset(n for n in names if isinstance(n, str))

@@ -44,6 +44,7 @@ class CPState:
     targets: torch.Tensor | None = None
     denominator: object = None
     loss_sum: torch.Tensor | None = None
+    local_output_names: frozenset = frozenset()  # output fields of the latest forward that hold local sequences
     attention_calls: set = field(default_factory=set)  # id() of the attention modules that ran this forward
     attention_group: object = None  # what the strategy communicates over: the CP group, or usp's sub-groups
     router_aux: object = None  # RouterAux, None (no aux loss in the forward) or why hfcp cannot compute it

@@ -82,7 +82,7 @@ class CheckPixelsHook(ModelHook):
     def post_forward(self, module, output):
         st = self.state
         check_attention_ran(st, module)
-        stamp_local_sequences(output, st)
+        st.local_output_names = stamp_local_sequences(output, st)
         if st.head != "base":
             return output
         with_module = st.patcher.first_token_pooler and getattr(module, "pooler", None) is not None
@@ -97,15 +97,19 @@ class CheckPixelsHook(ModelHook):
         return output
 
 
-def stamp_local_sequences(output, state) -> None:
+def stamp_local_sequences(output, state) -> frozenset:
     """Tag the outputs that stay local (a base model's last_hidden_state, any model's hidden_states) with their
-    step, so that gather_sequence (and HfcpTrainer's predictions) know them from whole tensors."""
+    step, so that gather_sequence (and HfcpTrainer's predictions) know them from whole tensors. Returns the names
+    of those output fields."""
     get = (lambda k: None) if isinstance(output, tuple) else output.get
-    local = [] if state.head != "base" else [get("last_hidden_state")]
-    local += list(get("hidden_states") or ())
-    for t in local:
+    fields = [("last_hidden_state", get("last_hidden_state"))] if state.head == "base" else []
+    fields += [("hidden_states", t) for t in get("hidden_states") or ()]
+    names = set()
+    for name, t in fields:
         if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == state.step.layout.local_len:
             t.hfcp_step = state.step
+            names.add(name)
+    return frozenset(names)
 
 
 class GatherForHeadHook(ModelHook):

@@ -3,6 +3,10 @@
     python scripts/bench.py                       # model level, L = 2k..16k, cp 1/2/4, all strategies
     python scripts/bench.py --quick               # a smoke run (seconds)
     python scripts/bench.py --level attention --lengths 8192 16384 --no-comm
+    python scripts/bench.py --level full --mem-cap-mb 700 --widths 256 512 768   # full fine-tune frontier
+
+--level full: the longest sequence whose full fine-tune step (FSDP2 over all ranks x CP, AdamW) fits a per-rank
+memory cap, per model width and world size (scripts/bench_full.py).
 
 cp = 1 is the unpatched model in one process with as many threads as the cp run has processes; cp > 1
 runs under torchrun with one thread per process. Each measurement is its own process (scripts/bench_step.py).
@@ -19,6 +23,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_full  # noqa: E402
 
 
 def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeout=1800, chunked_cp1=False,
@@ -48,6 +54,22 @@ def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeo
         return {"level": level, "seq_len": seq_len, "cp": cp, "strategy": strategy, "no_comm": no_comm,
                 "error": next((ln for ln in r.stderr.splitlines() if "Error" in ln), "?")[:300]}
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def measure_full(hidden: int, seq_len: int, world: int, timeout=1800) -> dict | None:
+    """One full fine-tune step measurement (scripts/bench_full.py); None when it failed twice (the output of the
+    last try is in runs/bench_failure.log)."""
+    cmd = [str(HERE / "bench_full.py"), "--hidden", str(hidden), "--seq-len", str(seq_len)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), *cmd] \
+        if world > 1 else [sys.executable, *cmd]
+    for attempt in range(2):  # one retry: a torchrun start-up can fail when the machine is busy
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE)
+        lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+        if r.returncode == 0 and lines:
+            return json.loads(lines[-1][len("RESULT "):])
+    Path("runs").mkdir(exist_ok=True)
+    Path("runs/bench_failure.log").write_text(r.stdout + "\n" + r.stderr)
+    return None
 
 
 def sweep(args):
@@ -163,7 +185,7 @@ def plot(results, out: Path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--level", choices=["model", "attention"], default="model")
+    ap.add_argument("--level", choices=["model", "attention", "full"], default="model")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--strategies", nargs="+", default=["ring", "allgather", "ulysses"],
@@ -181,11 +203,19 @@ def main():
     ap.add_argument("--quick", action="store_true", help="smoke run: L=1024, cp 1/2, ring, 1 repeat")
     ap.add_argument("--mem-cap-mb", type=float, help="instead: find the longest sequence under this per-rank cap")
     ap.add_argument("--resolution", type=int, default=256, help="--mem-cap-mb: bisect until within this many tokens")
+    ap.add_argument("--widths", type=int, nargs="+", default=[256, 512, 768], help="--level full: model widths")
     args = ap.parse_args()
     if args.quick:
         args.lengths, args.cps, args.strategies, args.repeats = [1024], [1, 2], ["ring"], 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.level == "full":
+        if not args.mem_cap_mb:
+            raise SystemExit("bench.py: --level full needs --mem-cap-mb (it searches the frontier under that cap)")
+        rows = bench_full.frontier(args, measure_full)
+        (out / "full_finetune_frontier.json").write_text(json.dumps(rows, indent=1))
+        print(bench_full.frontier_table(rows, args.mem_cap_mb))
+        return
     if args.mem_cap_mb:
         (out / "longest_under_cap.json").write_text(json.dumps(longest_under_cap(args)))
         return

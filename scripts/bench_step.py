@@ -157,8 +157,14 @@ def attention_step(args, device):
     idx = sb.local_index
     ql, kl, vl = (t[:, :, idx].contiguous().to(device).requires_grad_() for t in (q, k, v))
 
+    group = mesh.cp_group
+    if args.strategy == "usp":  # Ulysses over the default ulysses_size neighbours, ring across those groups
+        from hfcp.attention import build_usp_groups, check_ulysses_size
+
+        group = build_usp_groups(mesh.cp_group, check_ulysses_size(None, mesh.cp_size, H, Hkv))
+
     def step():
-        out = STRATEGIES[args.strategy](ql, kl, vl, sb, MaskSpec(True, None), D ** -0.5, mesh.cp_group)
+        out = STRATEGIES[args.strategy](ql, kl, vl, sb, MaskSpec(True, None), D ** -0.5, group)
         out.sum().backward()
         return 0.0
 

@@ -50,6 +50,8 @@ def parse_args(argv=None):
     ap.add_argument("--resume-from", help="a checkpoint directory written by --save-every")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-docs", type=int, default=8)
+    ap.add_argument("--full-finetune", action="store_true",
+                    help="train every parameter (no LoRA), sharded with FSDP2 over all processes (scripts/full_finetune.py)")
     return ap.parse_args(argv)
 
 
@@ -63,6 +65,9 @@ def validate(args, world: int) -> list[str] | None:
         fail(f"--model {args.model}: no checkpoint directory with a config.json there")
     if args.resume_from and not (Path(args.resume_from) / "trainer_state.json").is_file():
         fail(f"--resume-from {args.resume_from}: no trainer_state.json there (not a checkpoint of this script)")
+    if args.full_finetune and (args.resume_from or args.save_every):
+        fail("--full-finetune saves the trained model once, at the end: --save-every and --resume-from are for the "
+             "LoRA mode")
     cp = args.cp_size or world
     if cp < 1 or world % cp:
         fail(f"--cp-size {args.cp_size} must divide the number of processes ({world})")
@@ -193,6 +198,13 @@ def main(argv=None):
 
     model, tok = load_model_and_tokenizer(args)
     rows = pack(encode_docs(args, tok, texts), args.seq_len)
+    if args.full_finetune:
+        import full_finetune
+
+        full_finetune.train(args, model, tok, rows, Path(args.output_dir), sys.modules[__name__])
+        if int(os.environ.get("RANK", "0")) == 0:
+            plot_losses(Path(args.output_dir))
+        return
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # random-weight default: its embeddings carry no meaning yet, so they train too (a real checkpoint: LoRA only)
@@ -274,7 +286,7 @@ def plot_losses(out_dir: Path):
     plt.plot([r["step"] for r in recs], [r["loss"] for r in recs])
     plt.xlabel("optimizer step")
     plt.ylabel("loss")
-    plt.title("LoRA fine-tune under hfcp")
+    plt.title("fine-tune under hfcp")
     plt.tight_layout()
     plt.savefig(out_dir / "loss_curve.png", dpi=100)
 

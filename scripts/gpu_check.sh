@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU machine: the GPU-marked tests, then a short benchmark (one GPU: cp=1 model step and attention).
+# On a GPU machine: the GPU-marked tests, a short benchmark (one GPU: cp=1 model step and attention) and the
+# job's full fine-tune mode.
 # Under 8 minutes on one GPU. Multi-GPU: add --cps 1 2 4 to the bench lines (NCCL, one process per GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -7,3 +8,6 @@ python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_
 python -m pytest -q -m gpu tests/test_gpu.py
 python scripts/bench.py --level attention --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_attention
 python scripts/bench.py --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_model
+# the full fine-tune mode on the GPU (one process: FSDP2 applies from two GPUs on, with the same command under
+# accelerate launch --multi_gpu --num_processes N)
+python scripts/finetune_lora.py --full-finetune --max-steps 20 --seq-len 4096 --eval-docs 2 --output-dir runs/gpu_full_finetune

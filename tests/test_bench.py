@@ -16,3 +16,34 @@ def test_bench_quick_runs_and_losses_agree(tmp_path):
     cp1, cp2 = (next(row for row in rows if row["cp"] == c) for c in (1, 2))
     assert abs(cp1["loss"] - cp2["loss"]) <= 1e-5 * cp1["loss"]  # same model, same data: same loss
     assert cp2["peak_mem_mb"] > 0 and (tmp_path / "memory_vs_length.png").exists()
+
+
+def test_full_finetune_measurement_shards_the_state(tmp_path):
+    """scripts/bench_full.py (bench.py --level full): parameters, gradients and AdamW moments per rank halve over
+    two ranks, and the measured peak covers them."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    one, two = bench.measure_full(128, 512, 1), bench.measure_full(128, 512, 2)
+    assert one and two, "a measurement failed (see scripts/bench_full.py)"
+    assert abs(two["state_mb"] - one["state_mb"] / 2) <= 0.01 * one["state_mb"], (one, two)
+    assert one["peak_mem_mb"] > one["state_mb"] and two["peak_mem_mb"] > two["state_mb"], (one, two)
+
+
+def test_frontier_search_finds_the_longest_fitting_length():
+    """The search itself, against a made-up memory model: peak = 100 MB / world + L / 8 MB per rank."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import argparse
+
+    import bench_full
+
+    def run(hidden, L, world):
+        return {"peak_mem_mb": 100 / world + L / 8, "state_mb": 100 / world, "params_m": 1.0}
+
+    args = argparse.Namespace(widths=[64], cps=[1, 2, 4], mem_cap_mb=400, resolution=128)
+    rows = bench_full.frontier(args, run)
+    got = {r["world"]: r["longest_seq_len"] for r in rows}
+    for world, L in got.items():  # within the resolution of the exact answer 8 * (400 - 100 / world)
+        exact = 8 * (400 - 100 / world)
+        assert exact - 128 <= L <= exact, (world, L, exact)
+    assert "| 64 (1.0M) | 100, 50, 25 |" in bench_full.frontier_table(rows, 400)

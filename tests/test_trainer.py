@@ -8,11 +8,11 @@ from dist_pool import DistPool
 KEYS = ("loss", "grad_norm", "learning_rate", "num_input_tokens_seen", "eval_loss", "total_flos")
 
 
-def assert_same_run(got, ref, tol=2e-5):
+def assert_same_run(got, ref, tol=2e-5, skip=()):
     assert len(got["history"]) == len(ref["history"]), (got["history"], ref["history"])
     for g, r in zip(got["history"], ref["history"]):
         assert g.keys() == r.keys(), (g, r)
-        for k in g:
+        for k in set(g) - set(skip):
             assert abs(g[k] - r[k]) <= tol * max(1.0, abs(r[k])), (k, g, r)
     assert abs(got["eval_loss"] - ref["eval_loss"]) <= tol * abs(ref["eval_loss"])
     assert got["predictions"].shape == ref["predictions"].shape, (got["predictions"].shape, ref["predictions"].shape)
@@ -40,6 +40,24 @@ def test_dp2_cp2_equals_one_process_with_the_global_batch(pool4, reference):
 def test_gradient_accumulation_dp2_cp2(pool4, reference):
     for got in pool4.run(W.train_run, 2, 2, "ring", False, {"gradient_accumulation_steps": 2}):
         assert_same_run(got, reference[2])
+
+
+# transformers counts FLOPs from param.numel(), which is 0 for a parameter ZeRO-3 has partitioned away: the stock
+# Trainer logs total_flos 0 under ZeRO-3 too
+ZERO3_FLOS = ("total_flos",)
+
+
+def test_deepspeed_zero3_cp2_equals_one_process(pool2, reference):
+    """ZeRO-3 averages gradients over all ranks, which is hfcp's convention: no correction needed."""
+    pytest.importorskip("deepspeed")  # installed by .ci/run
+    for got in pool2.run(W.deepspeed_run, 4, None, timeout=600):
+        assert_same_run(got, reference[1], skip=ZERO3_FLOS)
+
+
+def test_deepspeed_zero3_dp2_cp2_with_gradient_accumulation(pool4, reference):
+    pytest.importorskip("deepspeed")
+    for got in pool4.run(W.deepspeed_run, 2, 2, 2, timeout=600):
+        assert_same_run(got, reference[2], skip=ZERO3_FLOS)
 
 
 def test_iterable_dataset_dp2_cp2(pool4, pool1):
@@ -72,6 +90,7 @@ def test_bf16_trainer_matches_the_unpatched_model_within_bf16(pool1, pool2):
     ("dispatch_batches", "dispatch_batches=True"),
     ("split_batches", "split_batches=True"),
     ("neftune", "neftune_noise_alpha=5.0"),
+    ("fsdp", "--full-finetune does"),
 ])
 def test_unsupported_settings_are_refused(pool2, kind, message):
     for msg in pool2.run(W.refused, kind):

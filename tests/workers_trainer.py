@@ -105,6 +105,26 @@ def resume_run(world_tag: str, cp_size=None):
     return runs
 
 
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+         "gradient_clipping": "auto", "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+
+
+def deepspeed_run(per_device: int, cp_size=None, accum: int = 1):
+    """DeepSpeed ZeRO-3 (parameters, gradients and optimizer states partitioned over all processes) on CPU."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        result = train_run(per_device, cp_size, "ring", False, {"deepspeed": ZERO3, "gradient_accumulation_steps": accum})
+    finally:  # DeepSpeed's process-wide settings would follow later tests in this pool process
+        unset_hf_deepspeed_config()
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+        _reset_accelerate()
+    dist.barrier()
+    return result
+
+
 def bf16_run(per_device: int, cp_size=None):
     """Trainer(bf16=True): autocast through accelerate."""
     return train_run(per_device, cp_size, "ring", False, {"bf16": True})
@@ -131,6 +151,8 @@ def refused(kind: str):
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, neftune_noise_alpha=5.0))
             elif kind == "split_batches":
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, accelerator_config={"split_batches": True}))
+            elif kind == "fsdp":
+                HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, fsdp=True, fsdp_config={"version": 2}))
             elif kind == "dispatch_batches":
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, accelerator_config={"dispatch_batches": True}))
         except ValueError as e:

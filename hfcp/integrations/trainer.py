@@ -63,9 +63,10 @@ class HfcpTrainerMixin:
         if self.compute_loss_func is not None:
             problems.append("compute_loss_func (it would see this rank's local logits only; hfcp computes the "
                             "causal-LM loss over the whole sequence)")
-        if args.fsdp or args.deepspeed or getattr(self, "is_fsdp_enabled", False) or \
-                getattr(self, "is_deepspeed_enabled", False):
-            problems.append("FSDP / DeepSpeed (not supported with HfcpTrainer yet)")
+        if args.fsdp or getattr(self, "is_fsdp_enabled", False):
+            problems.append("FSDP through the Trainer (accelerate's FSDP plugin; not supported by HfcpTrainer yet: use "
+                            "DeepSpeed ZeRO-3, or shard with torch's fully_shard after hfcp.patch and train in your "
+                            "own loop, as scripts/finetune_lora.py --full-finetune does)")
         if args.neftune_noise_alpha:
             problems.append(f"neftune_noise_alpha={args.neftune_noise_alpha} (NEFTune sizes its noise by the sequence "
                             "length it sees, which is a rank's shard under CP)")
@@ -220,18 +221,24 @@ class HfcpTrainerMixin:
 
 
 def gather_outputs(outputs, model):
-    """Replace the local sequence tensors of a model output (those hfcp stamped) by the whole sequences."""
-    def whole(v):
+    """Replace the local sequence tensors of the output of the model's latest forward by the whole sequences:
+    those hfcp stamped, and in the fields it recorded as local those of the local length (DeepSpeed ZeRO-3's
+    forward hooks hand back new tensor objects, without the stamp)."""
+    state = cp_state(model)
+    local_len = state.step.layout.local_len
+
+    def whole(v, named):
         if isinstance(v, tuple):
-            return tuple(whole(x) for x in v)
-        if isinstance(v, torch.Tensor) and getattr(v, "hfcp_step", None) is not None:
+            return tuple(whole(x, named) for x in v)
+        if isinstance(v, torch.Tensor) and (getattr(v, "hfcp_step", None) is not None
+                                            or (named and v.dim() >= 2 and v.shape[1] == local_len)):
             return gather_sequence(v, model)
         return v
 
     if isinstance(outputs, tuple):
-        return whole(outputs)
+        return whole(outputs, False)
     for key in list(outputs.keys()):
-        outputs[key] = whole(outputs[key])
+        outputs[key] = whole(outputs[key], key in state.local_output_names)
     return outputs
 
 
@@ -243,7 +250,7 @@ class HfcpTrainer(HfcpTrainerMixin, Trainer):
             yet; an option not given takes hfcp.patch's default (ring, "auto" chunked loss, ...). A model patched
             already keeps its settings, and an option given that differs from them is refused.
     Raises:
-        ValueError: settings hfcp cannot make exact (label smoothing, compute_loss_func, FSDP/DeepSpeed,
+        ValueError: settings hfcp cannot make exact (label smoothing, compute_loss_func, accelerate's FSDP plugin,
             parallelism_config, split_batches, dispatch_batches, model_init).
     """
 

@@ -1,0 +1,63 @@
+"""scripts/finetune_lora.py --full-finetune: every parameter trains, FSDP2 over 2 processes (accelerate launch) and
+the sequence over the CP group, against one process: the same losses and the same trained model."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_finetune import ROOT, SCRIPT, _losses, _run
+
+COMMON = ["--full-finetune", "--seq-len", "256", "--max-steps", "4", "--eval-docs", "1", "--grad-accum", "2",
+          "--lr", "2e-3"]
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("full")
+    single = _run([sys.executable, SCRIPT, *COMMON, "--output-dir", str(d / "single")])
+    assert single.returncode == 0, single.stderr[-3000:]
+    fsdp = _run([*LAUNCH, SCRIPT, *COMMON, "--output-dir", str(d / "fsdp_cp2")])
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert "dp=1 x cp=2, parameters sharded over 2 (FSDP2)" in fsdp.stdout, fsdp.stdout[-2000:]
+    return d
+
+
+def test_losses_equal_single_process(runs):
+    single, fsdp = _losses(runs / "single"), _losses(runs / "fsdp_cp2")
+    assert len(single) == len(fsdp) == 4
+    for a, b in zip(single, fsdp):
+        assert abs(a - b) <= 1e-5 * abs(a), (single, fsdp)
+    assert fsdp[-1] < fsdp[0], "loss did not fall"
+
+
+def test_every_parameter_trained_and_the_saved_models_agree(runs):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    single = load_file(runs / "single" / "model" / "model.safetensors")
+    fsdp = load_file(runs / "fsdp_cp2" / "model" / "model.safetensors")
+    assert single.keys() == fsdp.keys()
+    torch.manual_seed(0)  # the job's initial weights (seed 0)
+    init = LlamaForCausalLM(LlamaConfig(**json.loads((ROOT / "scripts" / "configs" / "tiny_llama.json").read_text())))
+    for name, start in init.state_dict().items():
+        if name not in single:
+            continue
+        assert not torch.equal(single[name], start), f"{name} did not train"
+        err = float((single[name] - fsdp[name]).abs().max()) / float((single[name] - start).abs().max())
+        assert err < 1e-3, (name, err)  # relative to the update: Adam's first steps amplify float noise a little
+
+
+def test_state_per_rank_halves_over_two_ranks(runs):
+    one = json.loads((runs / "single" / "summary.json").read_text())["state_mb_per_rank"]
+    two = json.loads((runs / "fsdp_cp2" / "summary.json").read_text())["state_mb_per_rank"]
+    assert abs(two - one / 2) <= 0.02 * one, (one, two)
+
+
+def test_full_finetune_refuses_lora_checkpoint_options(tmp_path):
+    r = _run([sys.executable, SCRIPT, "--full-finetune", "--save-every", "2", "--output-dir", str(tmp_path / "o")])
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--full-finetune saves the trained model once" in r.stderr.strip().splitlines()[-1], r.stderr[-1500:]
