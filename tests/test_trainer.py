@@ -60,6 +60,21 @@ def test_deepspeed_zero3_dp2_cp2_with_gradient_accumulation(pool4, reference):
         assert_same_run(got, reference[2], skip=ZERO3_FLOS)
 
 
+def test_accelerate_fsdp2_cp2_equals_one_process(pool2, reference):
+    """accelerate's own FSDP2 preparation (fully_shard per decoder layer and on the model, the Trainer's FSDP
+    branches) over a patched model. accelerate enables FSDP only on accelerators, so the worker sets its FSDP
+    state on CPU (gloo); everything after that is accelerate's and the Trainer's code."""
+    for got in pool2.run(W.accelerate_fsdp2_run, 4, None):
+        assert got["model_class"] == "FSDPLlamaForCausalLM", got["model_class"]
+        assert_same_run(got, reference[1])
+
+
+def test_accelerate_fsdp2_dp2_cp2_with_gradient_accumulation(pool4, reference):
+    for got in pool4.run(W.accelerate_fsdp2_run, 2, 2, 2):
+        assert got["model_class"] == "FSDPLlamaForCausalLM", got["model_class"]
+        assert_same_run(got, reference[2])
+
+
 def test_iterable_dataset_dp2_cp2(pool4, pool1):
     ref = pool1.run(W.train_run, 4, None, "ring", True)[0]
     for got in pool4.run(W.train_run, 2, 2, "ring", True):
@@ -90,7 +105,8 @@ def test_bf16_trainer_matches_the_unpatched_model_within_bf16(pool1, pool2):
     ("dispatch_batches", "dispatch_batches=True"),
     ("split_batches", "split_batches=True"),
     ("neftune", "neftune_noise_alpha=5.0"),
-    ("fsdp", "--full-finetune does"),
+    ("fsdp", "accelerate did not enable FSDP"),
+    ("fsdp1", "FSDP version 1"),
 ])
 def test_unsupported_settings_are_refused(pool2, kind, message):
     for msg in pool2.run(W.refused, kind):

@@ -65,11 +65,13 @@ def _history(trainer):
     return [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history]
 
 
-def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, overrides=None):
-    """Train 4 steps, evaluate, predict. per_device is the batch of each DP group (1 process: the global batch)."""
+def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, overrides=None, configured=False):
+    """Train 4 steps, evaluate, predict. per_device is the batch of each DP group (1 process: the global batch).
+    configured: keep the accelerate state the caller set up (else it is reset first)."""
     from hfcp.integrations import HfcpTrainer
 
-    _reset_accelerate()
+    if not configured:
+        _reset_accelerate()
     model = tiny_model("llama")
     data = IterableRows(24) if iterable else Rows(24)
     with tempfile.TemporaryDirectory() as out:
@@ -79,7 +81,7 @@ def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, ov
         trainer.train()
         metrics = trainer.evaluate()
         pred = trainer.predict(Rows(5, seed=2))
-    return {"history": _history(trainer), "eval_loss": metrics["eval_loss"],
+    return {"history": _history(trainer), "eval_loss": metrics["eval_loss"], "model_class": type(trainer.model).__name__,
             "predictions": torch.as_tensor(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids),
             "total_batch": trainer.get_total_train_batch_size(trainer.args)}
 
@@ -125,6 +127,41 @@ def deepspeed_run(per_device: int, cp_size=None, accum: int = 1):
     return result
 
 
+def _force_fsdp_state(version: int):
+    """accelerate enables FSDP only for accelerator distributed types: on CPU, set its state to FSDP by hand (the one
+    thing that differs from a GPU run); a Trainer with use_configured_state then takes it. Returns what to restore."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # whatever an earlier test in this process left
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap="LlamaDecoderLayer",
+                                            state_dict_type="FULL_STATE_DICT")
+    Accelerator(cpu=True)
+    before = PartialState._shared_state["distributed_type"]
+    AcceleratorState._shared_state.update(distributed_type=DistributedType.FSDP, fsdp_plugin=plugin)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return before
+
+
+def _restore_state(before) -> None:
+    from accelerate.state import PartialState
+
+    PartialState._shared_state["distributed_type"] = before  # later tests in this process: accelerate's CPU state
+    _reset_accelerate()
+
+
+def accelerate_fsdp2_run(per_device: int, cp_size=None, accum: int = 1):
+    """The Trainer under accelerate's FSDP2 plugin (on CPU: see _force_fsdp_state)."""
+    before = _force_fsdp_state(2)
+    try:
+        return train_run(per_device, cp_size, "ring", False, {"accelerator_config": {"use_configured_state": True},
+                                                              "gradient_accumulation_steps": accum}, configured=True)
+    finally:
+        _restore_state(before)
+
+
 def bf16_run(per_device: int, cp_size=None):
     """Trainer(bf16=True): autocast through accelerate."""
     return train_run(per_device, cp_size, "ring", False, {"bf16": True})
@@ -151,6 +188,13 @@ def refused(kind: str):
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, neftune_noise_alpha=5.0))
             elif kind == "split_batches":
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, accelerator_config={"split_batches": True}))
+            elif kind == "fsdp1":
+                before = _force_fsdp_state(1)
+                try:
+                    HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, accelerator_config={
+                        "use_configured_state": True}))
+                finally:
+                    _restore_state(before)
             elif kind == "fsdp":
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, fsdp=True, fsdp_config={"version": 2}))
             elif kind == "dispatch_batches":

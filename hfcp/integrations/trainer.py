@@ -63,10 +63,14 @@ class HfcpTrainerMixin:
         if self.compute_loss_func is not None:
             problems.append("compute_loss_func (it would see this rank's local logits only; hfcp computes the "
                             "causal-LM loss over the whole sequence)")
-        if args.fsdp or getattr(self, "is_fsdp_enabled", False):
-            problems.append("FSDP through the Trainer (accelerate's FSDP plugin; not supported by HfcpTrainer yet: use "
-                            "DeepSpeed ZeRO-3, or shard with torch's fully_shard after hfcp.patch and train in your "
-                            "own loop, as scripts/finetune_lora.py --full-finetune does)")
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if args.fsdp and plugin is None:
+            problems.append("fsdp is set but accelerate did not enable FSDP (it does only on accelerators such as GPUs; "
+                            "here the model would be replicated, not sharded): use DeepSpeed ZeRO-3, or torch's "
+                            "fully_shard in your own loop as scripts/finetune_lora.py --full-finetune does")
+        if plugin is not None and plugin.fsdp_version != 2:
+            problems.append(f"FSDP version {plugin.fsdp_version} (hfcp supports FSDP2, whose dynamic model class it "
+                            "recognises: set fsdp_config={'version': 2})")
         if args.neftune_noise_alpha:
             problems.append(f"neftune_noise_alpha={args.neftune_noise_alpha} (NEFTune sizes its noise by the sequence "
                             "length it sees, which is a rank's shard under CP)")
@@ -250,7 +254,7 @@ class HfcpTrainer(HfcpTrainerMixin, Trainer):
             yet; an option not given takes hfcp.patch's default (ring, "auto" chunked loss, ...). A model patched
             already keeps its settings, and an option given that differs from them is refused.
     Raises:
-        ValueError: settings hfcp cannot make exact (label smoothing, compute_loss_func, accelerate's FSDP plugin,
+        ValueError: settings hfcp cannot make exact (label smoothing, compute_loss_func, FSDP version 1,
             parallelism_config, split_batches, dispatch_batches, model_init).
     """
 
