@@ -114,7 +114,7 @@ def logit_transform(model) -> LogitTransform | None:
                   and n.func.value.id == "self"]
     at = next((i for i, st in enumerate(body) if isinstance(st, ast.Assign) and len(head_calls) == 1
                and st.value is head_calls[0] and [_name(t) for t in st.targets] == ["logits"]), None)
-    if at is None or any(_writes_logits(st) for st in body[:at]):
+    if at is None or any(_writes_logits(st) for st in body[:at]) or _mutates_logits(body):
         return None
     ops = []
     for st in body[at + 1:]:
@@ -145,6 +145,27 @@ def _name(node) -> str | None:
 def _writes_logits(node) -> bool:
     return any(isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and "logits" in map(_name, _targets(n))
                for n in ast.walk(node))
+
+
+def _mutates_logits(body) -> bool:
+    """Whether any statement changes `logits` in place: `logits[...] = x`, `logits.mul_(...)`, `out=logits`."""
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
+                isinstance(t, (ast.Subscript, ast.Attribute)) and _root_name(t) == "logits" for t in _targets(node)):
+            return True
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Attribute) and node.func.attr.endswith("_") and \
+                    _root_name(node.func.value) == "logits":
+                return True
+            if any(k.arg == "out" and _root_name(k.value) == "logits" for k in node.keywords):
+                return True
+    return False
+
+
+def _root_name(node) -> str | None:
+    while isinstance(node, (ast.Subscript, ast.Attribute)):
+        node = node.value
+    return _name(node)
 
 
 def _is_not_none(test) -> bool:
@@ -239,7 +260,8 @@ def router_aux_loss(model):
     adds = [n for n in ast.walk(ast.parse(textwrap.dedent(src))) if isinstance(n, ast.AugAssign)
             and _name(n.target) == "loss" and isinstance(n.op, ast.Add) and isinstance(n.value, ast.BinOp)
             and isinstance(n.value.op, ast.Mult)]
-    if len(calls) != 1 or len(calls[0].args) != 4 or calls[0].keywords or len(adds) != 1:
+    if len(calls) != 1 or len(calls[0].args) != 4 or calls[0].keywords or len(adds) != 1 \
+            or _name(calls[0].args[3]) != "attention_mask":  # hfcp weights by the attention mask (and its padding)
         return why
     num_experts, top_k = (_value(model, a) for a in calls[0].args[1:3])
     coef = _value(model, adds[0].value.left)

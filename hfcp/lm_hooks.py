@@ -146,6 +146,14 @@ def loss_chunk_for(setting, training: bool) -> int | None:
     return setting
 
 
+def check_length_limit(patcher, config, layout: Layout) -> None:
+    """Raises ValueError when the family has a length limit (Patcher.max_seq_len) and this batch exceeds it."""
+    limit = patcher.max_seq_len(config) if patcher.max_seq_len is not None else None
+    if limit is not None and layout.padded_len > limit:
+        raise ValueError(f"model_type={patcher.model_type!r}: {layout.seq_len} tokens ({layout.padded_len} padded for "
+                         f"cp={layout.cp_size}) exceed the {limit} hfcp runs exactly for it: {patcher.max_seq_len_reason}")
+
+
 def router_logits_wanted(state, module, kw: dict) -> bool:
     """Whether this forward outputs router logits (the argument, else the config), so that the MoE router aux loss
     must be computed; raises ValueError (on every rank alike) when hfcp cannot compute it exactly."""
@@ -157,8 +165,11 @@ def router_logits_wanted(state, module, kw: dict) -> bool:
     if isinstance(state.router_aux, str):
         raise ValueError(f"output_router_logits=True: {state.router_aux}, so its auxiliary loss would be taken over a "
                          "rank's tokens only; leave output_router_logits off")
-    if kw.get("return_dict") is False:
-        raise ValueError("return_dict=False with output_router_logits=True is not supported by hfcp; use return_dict")
+    tuples = kw.get("return_dict") is False or (kw.get("return_dict") is None
+                                                and getattr(module.config, "return_dict", True) is False)
+    if tuples:
+        raise ValueError("return_dict=False (argument or config) with output_router_logits=True is not supported by "
+                         "hfcp; return a ModelOutput")
     return True
 
 
@@ -187,6 +198,7 @@ class ShardSequenceHook(ModelHook):
         ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
         mask = kw.get("attention_mask")
         layout = Layout(L, st.mesh.cp_size, zigzag=st.patcher.causal)
+        check_length_limit(st.patcher, module.config, layout)
         pos = kw.get("position_ids")
         if pos is None:
             pos = torch.arange(L, device=x.device)[None].expand(B, -1)

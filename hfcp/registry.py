@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 
 class UnsupportedModelError(ValueError):
@@ -26,6 +27,10 @@ class Patcher:
         read_from_model: the attention classes are read from the model at patch time (a family the family sweep
             showed exact; see patches/verified.py), and the model is checked for other sequence mixers.
         verified_with: the transformers version the family sweep showed this family exact with, if it did.
+        max_seq_len: config -> the longest (padded) sequence hfcp runs exactly, or None (no limit): for a family
+            whose code computes a per-position term from the index within the tokens a layer sees (a rank's shard
+            under CP), exact only while that term is the same for every index; longer batches are refused.
+        max_seq_len_reason: why, and what to do, for that error.
     """
 
     model_type: str
@@ -39,6 +44,8 @@ class Patcher:
     unsupported_reason: str | None = None
     read_from_model: bool = False
     verified_with: str | None = None
+    max_seq_len: Callable | None = None
+    max_seq_len_reason: str = ""
 
 
 _HOW_TO_REGISTER = (

@@ -67,7 +67,6 @@ VERIFIED = (
     "kolibri1",
     "laguna",
     "lfm2",
-    "llama4_text",
     "longcat_flash",
     "mellum",
     "mimo_v2_flash",

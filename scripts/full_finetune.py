@@ -47,6 +47,9 @@ def state_mb_per_rank(model) -> float:
 def batches_of(rows, batch_size: int, dp_rank: int, dp_size: int, seed: int):
     """Endless micro-batches for this DP group: each epoch a seeded shuffle, dp_size * batch_size rows a step,
     the group's slice of them (with dp_size 1: the order one process sees)."""
+    if len(rows) < dp_size * batch_size:
+        raise SystemExit(f"full_finetune: {len(rows)} rows cannot fill one step of {dp_size} DP groups x {batch_size} "
+                         "rows: give more data or a smaller --batch-size")
     epoch = 0
     while True:
         order = list(range(len(rows)))

@@ -17,6 +17,7 @@ MASKS = {
     "chunked": dict(causal=True, chunk=6),  # Llama 4's chunked attention
     "packed_chunked": dict(causal=True, packed=True, chunk=5),
     "padded_chunked": dict(causal=True, padded=True, chunk=7),
+    "offset_packed_chunked": dict(causal=True, packed=True, offset_packed=True, chunk=4),
 }
 TOL = 1e-5
 

@@ -2,6 +2,7 @@
 the MoE router aux loss from whole-sequence statistics, the model's logit scale / softcap inside the chunked loss,
 chunked attention (Llama 4). The family sweep covers them on every family; these add padding, packing and cp 4."""
 import pytest
+import torch
 
 import workers_families as W
 from hfcp.router_loss import RouterAux, check_form
@@ -20,6 +21,7 @@ def test_moe_router_aux_loss_is_the_whole_sequence_one(pool2, model_type, strate
     _exact(r)
     assert r["aux"] < 1e-5 and r["aux_value"] > 1.0, r  # weighted 1.0: a local aux loss would change the total
     assert r["router_logits_local"], "router logits are a sequence output: they stay local"
+    assert r["router_logits_gathered"] < 1e-5, r  # and HfcpTrainer's predictions gather them whole
 
 
 def test_moe_router_aux_loss_cp4(pool4):
@@ -58,21 +60,50 @@ def test_chunked_attention_cp4(pool4):
     _exact(pool4.run(W.compare, "llama4_text", {"attention_chunk_size": 6}, "ring", True, False)[0])
 
 
-def test_unreadable_logit_postprocessing_falls_back_to_the_logits():
-    """A forward that changes logits in a way hfcp does not read (here: adds a bias) gets no transform (None):
-    patch then computes the loss from the model's own logits."""
+class _Shifted:  # forwards that change logits in ways hfcp does not read (one line each, after the head)
+    def add(self, hidden):
+        logits = self.lm_head(hidden)
+        logits = logits + 1.0
+        return logits
+
+    def masked(self, hidden):  # as Chameleon masks image tokens
+        logits = self.lm_head(hidden)
+        logits[:, :, 0] = -1e9
+        return logits
+
+    def in_place(self, hidden):
+        logits = self.lm_head(hidden)
+        logits.mul_(2.0)
+        return logits
+
+    def out_arg(self, hidden):
+        logits = self.lm_head(hidden)
+        torch.tanh(logits, out=logits)
+        return logits
+
+
+@pytest.mark.parametrize("form", ["add", "masked", "in_place", "out_arg"])
+def test_unreadable_logit_postprocessing_falls_back_to_the_logits(form):
+    """A forward that changes logits in a way hfcp does not read gets no transform (None): patch then computes the
+    loss from the model's own logits, never skipping the change."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hfcp.introspect import logit_transform
 
-    class Shifted(LlamaForCausalLM):
-        def forward(self, input_ids=None, **kwargs):
-            hidden = self.model(input_ids=input_ids).last_hidden_state
-            logits = self.lm_head(hidden)
-            logits = logits + 1.0
-            return logits
-
+    cls = type(f"Llama_{form}", (LlamaForCausalLM,), {"forward": getattr(_Shifted, form)})
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1)
-    assert logit_transform(Shifted(cfg)) is None
+    assert logit_transform(cls(cfg)) is None
     assert logit_transform(LlamaForCausalLM(cfg)).scale == 1.0
+
+
+def test_llama4_temperature_tuning_beyond_floor_scale_is_refused(pool2):
+    """Llama 4's NoPE layers scale queries by a temperature of torch.arange over the tokens they see (a rank's
+    shard under CP): exact below floor_scale, refused from there on (patches/llama4.py)."""
+    for msg in pool2.run(W.refused, "llama4_text", {"floor_scale": 16, "attn_temperature_tuning": True}):
+        assert "exceed the 15 hfcp runs exactly" in msg and "attn_temperature_tuning" in msg, msg
+
+
+def test_router_logits_with_tuple_outputs_are_refused(pool2):
+    for msg in pool2.run(W.refused, "mixtral", {**AUX, "return_dict": False}):
+        assert "return_dict=False (argument or config)" in msg, msg

@@ -38,7 +38,10 @@ def make_case(case: dict):
     v = torch.randn(B, Hkv, L, D, generator=g)
     dout = torch.randn(B, H, L, D, generator=g)
     position_ids = attention_mask = None
-    if case.get("packed"):  # documents of random lengths, positions restart at 0
+    if case.get("offset_packed"):  # a first document whose positions start at 1000, then one from 0
+        first = L // 3
+        position_ids = torch.tensor([list(range(1000, 1000 + first)) + list(range(L - first))] * B)
+    elif case.get("packed"):  # documents of random lengths, positions restart at 0
         rows = []
         for _ in range(B):
             pos = []

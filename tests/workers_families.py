@@ -73,11 +73,19 @@ def compare(model_type: str, config: dict, strategy: str = "ring", padding: bool
         out["aux"] = abs(float(got.aux_loss) - float(want.aux_loss)) / abs(float(want.aux_loss))
         out["aux_value"] = float(want.aux_loss)
         out["router_logits_local"] = got.router_logits[0].shape[0] == B * state.step.layout.local_len
+        from hfcp.integrations.trainer import gather_outputs  # HfcpTrainer's predictions: whole, in token order
+
+        whole = gather_outputs(got, model)["router_logits"]
+        out["router_logits_gathered"] = max(float((w - r).abs().max()) for w, r in zip(whole, want.router_logits))
     hfcp.unpatch(model)
     return out
 
 
 def refused(model_type: str, config: dict, call: dict | None = None) -> str:
+    from hfcp.registry import REGISTRY, Patcher
+
+    if REGISTRY.get(model_type) is None:
+        REGISTRY.register(Patcher(model_type=model_type, attention_classes=(), read_from_model=True))
     model = tiny_model(model_type)
     for k, v in config.items():
         setattr(model.config, k, v)

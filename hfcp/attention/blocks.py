@@ -44,8 +44,10 @@ def chunk_ids(sb: StepBatch, chunk: int) -> torch.Tensor:
     """(B or 1, padded_len) non-decreasing attention-chunk id of each token, as transformers' chunked mask: chunks
     of `chunk` tokens counted from the first valid token of the row (after left padding, which gets negative ids);
     in packed rows from each document's position 0 (the id then also tells the documents apart)."""
-    if sb.positions is not None:
-        return sb.doc_ids * sb.layout.padded_len + torch.div(sb.positions.to(sb.doc_ids), chunk, rounding_mode="floor")
+    if sb.positions is not None:  # a new id where the document or the position's chunk changes: non-decreasing
+        c = torch.div(sb.positions.to(sb.doc_ids), chunk, rounding_mode="floor")
+        change = (torch.diff(sb.doc_ids, dim=-1) != 0) | (torch.diff(c, dim=-1) != 0)
+        return torch.nn.functional.pad(change.long().cumsum(-1), (1, 0))
     idx = torch.arange(sb.layout.padded_len)
     if sb.key_valid is None:
         return (idx // chunk)[None]

@@ -242,7 +242,11 @@ def gather_outputs(outputs, model):
     if isinstance(outputs, tuple):
         return whole(outputs, False)
     for key in list(outputs.keys()):
-        outputs[key] = whole(outputs[key], key in state.local_output_names)
+        if key == "router_logits":  # (tokens, experts) rows per MoE layer: whole, in the original token order
+            outputs[key] = tuple(gather_sequence(t.reshape(-1, local_len, t.shape[-1]), model).flatten(0, 1)
+                                 for t in outputs[key])
+        else:
+            outputs[key] = whole(outputs[key], key in state.local_output_names)
     return outputs
 
 
