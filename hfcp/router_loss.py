@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from accelerate.hooks import ModelHook
 
-from .collectives import all_reduce_no_grad, all_reduce_sum
+from .collectives import all_reduce_sum
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,10 @@ def aux_from_sums(T: torch.Tensor, P: torch.Tensor, N: torch.Tensor, num_experts
 
 def global_aux(router_logits, weights, aux: RouterAux, group) -> torch.Tensor:
     """The aux loss of the whole sequence (same value on every rank of the CP group)."""
-    T, P, N = local_sums(router_logits, weights, aux.num_experts, aux.top_k)
-    stats = all_reduce_no_grad(torch.cat([T, N[None]]), group)
-    return aux_from_sums(stats[:-1], all_reduce_sum(P, group), stats[-1], aux.num_experts)
+    E = aux.num_experts
+    T, P, N = local_sums(router_logits, weights, E, aux.top_k)
+    sums = all_reduce_sum(torch.cat([P, T, N[None]]), group)  # one collective; only P carries a gradient
+    return aux_from_sums(sums[E : 2 * E], sums[:E], sums[-1], E)
 
 
 def check_form(fn, aux: RouterAux) -> bool:

@@ -17,6 +17,7 @@ import time
 import torch
 
 from bench_step import PeakRSS, fix_mmap_threshold
+from full_finetune import shard, state_mb_per_rank  # the job's --full-finetune sharding, measured here
 
 
 def tiny_llama_config(hidden: int, seq_len: int):
@@ -37,12 +38,8 @@ def build(hidden: int, seq_len: int, world: int, device):
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
     if world > 1:
-        from torch.distributed.fsdp import fully_shard
-
         hfcp.patch(model, strategy="ring", check_inputs=False)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+        shard(model)
     model.to_empty(device=device)  # each rank allocates only its shards
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -51,11 +48,6 @@ def build(hidden: int, seq_len: int, world: int, device):
             local.normal_(0.0, 0.02, generator=g)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg).to(device)  # its buffers were on meta
     return model
-
-
-def state_mb(model) -> float:
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
-    return 4 * 4 * local / 2**20  # fp32 parameters, gradients and AdamW's two moments
 
 
 def measure(args):
@@ -78,7 +70,7 @@ def measure(args):
             opt.zero_grad(set_to_none=True)
             step_s = time.perf_counter() - t
     result = {"hidden": args.hidden, "seq_len": args.seq_len, "world": world, "time_s": step_s,
-              "state_mb": state_mb(model), "peak_mem_mb": mem.growth / 2**20,
+              "state_mb": state_mb_per_rank(model), "peak_mem_mb": mem.growth / 2**20,
               "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
     if world > 1:
         got = [None] * world
