@@ -104,11 +104,6 @@ def check_shapes(kw: dict, batch: int, length: int) -> None:
         if t is None:
             continue
         ok = t.dim() == 2 and t.shape[1] == length and t.shape[0] in ((1, batch) if name == "position_ids" else (batch,))
-        if name == "attention_mask" and t.dim() == 4:
-            raise ValueError(
-                f"attention_mask of shape {tuple(t.shape)}: hfcp builds masks from global token indices and accepts "
-                "only a 2D (batch, seq) padding mask; a custom 4D mask cannot be split exactly, so it is refused"
-            )
         if not ok:
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)} but the input is (batch={batch}, seq={length}); "

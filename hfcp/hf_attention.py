@@ -6,6 +6,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import STRATEGIES, MaskSpec
+from .outer_mask import OuterMask, check_layer_form, hfcp_mask
 
 KEY = "hfcp"
 
@@ -16,6 +17,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     state = getattr(module, "_hfcp_state", None)
     step = getattr(attention_mask, "hfcp_step", None)  # the step this call belongs to (see lm_hooks.step_token)
     if state is not None and step is None and state.patcher.embeddings_classes:
+        check_token_model_mask(module, attention_mask)
         step = state.step  # token models: no mask argument; their step depends on the token count only
     if state is None or step is None:
         raise RuntimeError(
@@ -36,6 +38,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             "is a checkpointed layer recomputed after a forward of another sequence length (run backward first)?"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    check_layer_form(module, step.outer_masks, causal, sliding_window)
     spec = MaskSpec(bool(causal), sliding_window, float(softcap) if softcap else None, attention_chunk(module))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = same_dtype(query, key, value, type(module).__name__)
@@ -43,6 +46,15 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     with torch.autocast(query.device.type, enabled=False):  # the strategies choose their own precisions
         out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.attention_group, sink)
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
+
+
+def check_token_model_mask(module, mask) -> None:
+    """Token (vision) models attend over every token: a mask other than the plain bidirectional one is refused."""
+    if mask is None or (isinstance(mask, OuterMask) and mask.form == "bidirectional" and mask.padding is None):
+        return
+    shown = (mask.why or f"a {mask.form} mask") if isinstance(mask, OuterMask) else type(mask).__name__
+    raise ValueError(f"{type(module).__name__} got an attention mask ({shown}); hfcp runs vision models with full "
+                     "bidirectional attention over every token and cannot apply it, so it is refused")
 
 
 def attention_chunk(module) -> int | None:
@@ -90,6 +102,7 @@ def same_head_dim(query, key, value):
 # pass both down to every layer). Any other one is implemented or refused.
 IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "num_items_in_batch",
                             "output_router_logits"})
+NEUTRAL_VALUES = {"logits_to_keep": 0}  # keep all logits: some outer models pass it down through **kwargs
 
 
 def refuse_unimplemented(module, kwargs: dict) -> None:
@@ -98,6 +111,8 @@ def refuse_unimplemented(module, kwargs: dict) -> None:
     None or False value changes nothing and passes. Every rank raises alike, at its first attention call."""
     for name, value in kwargs.items():
         if name in IGNORED_KWARGS or value is None or value is False:
+            continue
+        if name in NEUTRAL_VALUES and type(value) is int and value == NEUTRAL_VALUES[name]:
             continue
         shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
         raise ValueError(
@@ -118,11 +133,6 @@ def same_dtype(query, key, value, name: str):
         raise ValueError(f"{name}: query, key and value have dtypes {query.dtype}, {key.dtype}, {value.dtype}; "
                          "attention needs one dtype (cast the model with model.to(dtype), or train under autocast)")
     return query, key, value
-
-
-def hfcp_mask(*args, **kwargs):
-    """Mask builder for key "hfcp": no tensor mask (attention builds block masks from global indices)."""
-    return None
 
 
 def register_with_transformers() -> None:

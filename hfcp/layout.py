@@ -102,6 +102,7 @@ class StepBatch:
     doc_ids: torch.Tensor | None
     key_valid: torch.Tensor | None
     positions: torch.Tensor | None = None
+    outer_masks: dict | None = None  # forms of masks an outer model built ({layer type: OuterMask}), checked per layer
     plans: dict = field(default_factory=dict)  # attention block plans, cached for all layers of the step
 
     @property

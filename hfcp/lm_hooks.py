@@ -7,6 +7,7 @@ import torch
 from accelerate.hooks import ModelHook
 
 from .checks import check_same_batch, check_shapes, check_token_range
+from .outer_mask import resolve_attention_mask
 from .layout import Layout, build_step_batch, document_ids, pad_to
 from .collectives import all_reduce_no_grad
 from .linear_ce import add_token_stats
@@ -38,8 +39,10 @@ def step_token(sb, device) -> torch.Tensor:
     return token
 
 
-def check_call(kw: dict) -> None:
-    """Refuse call styles hfcp cannot run (decided by the call, not the data, so before any collective)."""
+def check_call(kw: dict) -> dict | None:
+    """Refuse call styles hfcp cannot run (decided by the call, not the data, so before any collective); a mask
+    built outside the patched forward becomes the key padding it stands for, or is refused. Returns the forms of
+    such masks (outer_mask.resolve_attention_mask)."""
     if kw.get("cache") is not None or kw.get("past_key_values") is not None or kw.get("use_cache"):
         raise ValueError(
             "a hfcp-patched model runs training/eval forwards over the whole sequence; a KV cache "
@@ -49,10 +52,12 @@ def check_call(kw: dict) -> None:
         raise ValueError("fused_lm_head=True runs the model's backbone around hfcp (each rank would attend within its "
                          "own shard only); train with hfcp.integrations.HfcpSFTTrainer, whose loss and metrics go "
                          "through hfcp's chunked loss")
+    outer_masks = resolve_attention_mask(kw)
     keep = kw.get("logits_to_keep", 0)
     if isinstance(keep, torch.Tensor) or keep not in (0, None):
         raise ValueError(f"logits_to_keep={keep!r} is not supported by hfcp (only 0: all logits); take the positions "
                          "you need from hfcp.gather_sequence(out.logits, model)")
+    return outer_masks
 
 
 def _vocab(module, which: str) -> int:
@@ -187,7 +192,7 @@ class ShardSequenceHook(ModelHook):
         self.restore_pending_head()  # a forward that raised may have left the head swapped
         st.loss_sum = None
         kw = as_kwargs(module, args, kwargs)
-        check_call(kw)  # how the model is called, not the data: raises on the calling rank before any collective
+        outer_masks = check_call(kw)  # how the model is called, not the data: raises on the calling rank before any collective
         if st.check_inputs:  # a collective that cannot raise first: then every rank holds the same batch ...
             check_same_batch(kw, st.mesh.cp_group)
         x, labels, targets_full = check_lm_batch(module, kw, st.head == "causal_lm")  # ... and these raise alike
@@ -203,6 +208,7 @@ class ShardSequenceHook(ModelHook):
         if pos is None:
             pos = torch.arange(L, device=x.device)[None].expand(B, -1)
         sb = build_step_batch(layout, st.mesh.cp_rank, B, pos, mask, x.device)
+        sb.outer_masks = outer_masks
         st.step = sb
         st.attention_calls = set()
         idx = sb.local_index.to(x.device)

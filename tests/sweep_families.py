@@ -89,9 +89,16 @@ def _check(model_type: str, aux_loss: bool = True) -> dict:
     loss_err = max(e[0] for e in errs.values())
     grad_err = max(e[1] for e in errs.values())
     same_keys = all(e[2] for e in errs.values())
-    exact = same_keys and loss_err < 1e-5 and grad_err < 1e-4
-    detail = f"{', '.join(errs)}: loss {loss_err:.1e}, grad {grad_err:.1e}" + ("" if same_keys else ", grads differ")
-    return {**out, "result": "exact" if exact else "mismatch", "detail": detail}
+    exact = same_keys and loss_err < LOSS_TOL and grad_err < GRAD_TOL
+    # what the README prints is what holds on any processor: the verdict and its tolerance, never the rounding
+    # digits of the CPU kernels (those differ between machines); the measured errors travel beside it
+    errors = f"loss {loss_err:.1e}, grad {grad_err:.1e}" + ("" if same_keys else ", grads differ")
+    detail = f"{', '.join(errs)}: " + (f"loss within {LOSS_TOL:.0e}, every gradient within {GRAD_TOL:.0e}" if exact
+                                       else errors)
+    return {**out, "result": "exact" if exact else "mismatch", "detail": detail, "errors": errors}
+
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # relative; gradients: the worst parameter (hfcp.verify.grad_error)
 
 
 STRATEGIES = ("ring", "allgather", "ulysses")

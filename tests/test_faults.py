@@ -15,4 +15,6 @@ def fresh_pool2():
 def test_peer_that_never_arrives_raises_within_timeout(fresh_pool2):
     r = fresh_pool2.run(W.one_rank_skips_forward, 3.0, timeout=120)[0]
     assert r["raised"] is not None, r
-    assert 2.0 < r["after_s"] < 9.0, r  # bounded by the 3 s timeout, not gloo's 30 min default
+    # bounded by the 3 s timeout, not gloo's 30 min default; the upper bound is loose because a loaded machine
+    # (CI shares its cores) can take seconds to schedule the raising thread
+    assert 2.0 < r["after_s"] < 60.0, r

@@ -56,7 +56,7 @@ def test_killed_rank_survivor_raises_within_timeout():
         r = pool.run(WF.one_rank_dies_mid_step, 5.0, timeout=120, expect=[0])[0]
     finally:
         pool.close(kill=True)
-    assert r["raised"] == "CollectiveError" and r["after_s"] < 15, r
+    assert r["raised"] == "CollectiveError" and r["after_s"] < 60, r  # the 5 s bound, not gloo's 30 min (loose: CI load)
     assert "peer rank probably raised, died" in r["message"], r
 
 
