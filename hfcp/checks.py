@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .collectives import all_gather_no_grad
 
-BATCH_NAMES = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels",
+BATCH_NAMES = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "token_type_ids", "labels", "shift_labels",
                "num_items_in_batch", "ignore_index", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 _BLOCK = 1 << 18  # words per weighted block
 _MASK64 = (1 << 64) - 1
@@ -98,12 +98,13 @@ def check_same_batch(kw: dict, group, names=BATCH_NAMES) -> None:
 
 
 def check_shapes(kw: dict, batch: int, length: int) -> None:
-    """Raises ValueError when labels / attention_mask / position_ids do not match (batch, length)."""
-    for name in ("labels", "shift_labels", "attention_mask", "position_ids"):
+    """Raises ValueError when labels / attention_mask / position_ids / token_type_ids do not match (batch, length)."""
+    for name in ("labels", "shift_labels", "attention_mask", "position_ids", "token_type_ids"):
         t = kw.get(name)
         if t is None:
             continue
-        ok = t.dim() == 2 and t.shape[1] == length and t.shape[0] in ((1, batch) if name == "position_ids" else (batch,))
+        rows = (1, batch) if name in ("position_ids", "token_type_ids") else (batch,)
+        ok = t.dim() == 2 and t.shape[1] == length and t.shape[0] in rows
         if not ok:
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)} but the input is (batch={batch}, seq={length}); "

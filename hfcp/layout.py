@@ -102,6 +102,7 @@ class StepBatch:
     doc_ids: torch.Tensor | None
     key_valid: torch.Tensor | None
     positions: torch.Tensor | None = None
+    max_position: torch.Tensor | None = None  # 0-dim: the whole batch's largest position id (dynamic RoPE reads it)
     outer_masks: dict | None = None  # forms of masks an outer model built ({layer type: OuterMask}), checked per layer
     plans: dict = field(default_factory=dict)  # attention block plans, cached for all layers of the step
 

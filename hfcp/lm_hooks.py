@@ -151,6 +151,16 @@ def loss_chunk_for(setting, training: bool) -> int | None:
     return setting
 
 
+def default_positions(patcher, mask, batch: int, length: int, device) -> torch.Tensor:
+    """(B, L) position ids of a batch given without them, over the whole sequence, as the family computes them:
+    0, 1, 2, ..., or from the attention mask for a family that derives them from it (Patcher.positions_from_mask:
+    OPT's cumsum(mask) * mask - 1, so left padding and mask holes shift the positions)."""
+    if patcher.positions_from_mask and mask is not None:
+        m = mask.to(device=device, dtype=torch.long).expand(batch, -1)
+        return m.cumsum(1) * m - 1
+    return torch.arange(length, device=device)[None].expand(batch, -1)
+
+
 def check_length_limit(patcher, config, layout: Layout) -> None:
     """Raises ValueError when the family has a length limit (Patcher.max_seq_len) and this batch exceeds it."""
     limit = patcher.max_seq_len(config) if patcher.max_seq_len is not None else None
@@ -206,9 +216,9 @@ class ShardSequenceHook(ModelHook):
         check_length_limit(st.patcher, module.config, layout)
         pos = kw.get("position_ids")
         if pos is None:
-            pos = torch.arange(L, device=x.device)[None].expand(B, -1)
+            pos = default_positions(st.patcher, mask, B, L, x.device)
         sb = build_step_batch(layout, st.mesh.cp_rank, B, pos, mask, x.device)
-        sb.outer_masks = outer_masks
+        sb.outer_masks, sb.max_position = outer_masks, pos.amax()
         st.step = sb
         st.attention_calls = set()
         idx = sb.local_index.to(x.device)
@@ -218,6 +228,8 @@ class ShardSequenceHook(ModelHook):
         if embeds is not None:
             kw["inputs_embeds"] = pad_to(embeds, P, 1, 0.0).index_select(1, idx)
         kw["position_ids"] = pad_to(pos.expand(B, -1), P, 1, 0).index_select(1, idx)
+        if kw.get("token_type_ids") is not None:  # per-token segment ids (BERT, GPT-2, CTRL): split like the tokens
+            kw["token_type_ids"] = pad_to(kw["token_type_ids"].expand(B, -1), P, 1, 0).index_select(1, idx)
         kw["attention_mask"] = step_token(sb, x.device)
         st.targets = st.denominator = st.token_stats = None
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None

@@ -14,7 +14,7 @@ from .attention import STRATEGIES, build_usp_groups, check_heads, check_ulysses_
 from .collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
 from .introspect import interface_attention_classes, logit_transform, other_mixers, router_aux_loss
-from . import vision_hooks
+from . import rope, vision_hooks
 from .lm_hooks import ShardSequenceHook
 from .linear_ce import IDENTITY, LogitTransform
 from .layout import StepBatch
@@ -40,6 +40,7 @@ class CPState:
     logit_transform: LogitTransform = IDENTITY  # what the model does to its head's output (the chunked loss applies it)
     modules: list = field(default_factory=list)
     hooks: list = field(default_factory=list)  # [(module, hook)] attached by patch
+    rope_restores: list = field(default_factory=list)  # dynamic RoPE modules wrapped by patch (hfcp/rope.py)
     step: StepBatch | None = None
     targets: torch.Tensor | None = None
     denominator: object = None
@@ -227,6 +228,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             else:
                 state.hooks.append((inner.base_model, RouterStatsHook(state)))
                 add_hook_to_module(inner.base_model, state.hooks[-1][1], append=True)
+        state.rope_restores = rope.attach(rope.dynamic_rope_modules(inner), state)
     log.info("hfcp: %s patched: strategy=%s cp=%d (dp=%d), %d attention modules",
              type(inner).__name__, strategy, mesh.cp_size, mesh.dp_size, len(modules))
     return model
@@ -242,6 +244,7 @@ def unpatch(model):
         if hasattr(ours, "restore_pending_head"):  # a chunked forward that raised may have left the head swapped
             ours.restore_pending_head()
         _remove_hook(module, ours)
+    rope.detach(state.rope_restores)
     inner.set_attn_implementation(state.original_attn)
     for m in state.modules:
         del m._hfcp_state

@@ -31,6 +31,8 @@ class Patcher:
             whose code computes a per-position term from the index within the tokens a layer sees (a rank's shard
             under CP), exact only while that term is the same for every index; longer batches are refused.
         max_seq_len_reason: why, and what to do, for that error.
+        positions_from_mask: without position_ids the family derives them from the attention mask
+            (cumsum(mask) * mask - 1, as OPT); hfcp computes them so over the whole mask before splitting.
     """
 
     model_type: str
@@ -46,6 +48,7 @@ class Patcher:
     verified_with: str | None = None
     max_seq_len: Callable | None = None
     max_seq_len_reason: str = ""
+    positions_from_mask: bool = False
 
 
 _HOW_TO_REGISTER = (

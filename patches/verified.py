@@ -83,7 +83,6 @@ VERIFIED = (
     "olmo2",
     "olmo3",
     "olmoe",
-    "opt",
     "persimmon",
     "phi",
     "phi3",
