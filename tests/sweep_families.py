@@ -95,7 +95,83 @@ def _check(model_type: str, aux_loss: bool = True) -> dict:
     errors = f"loss {loss_err:.1e}, grad {grad_err:.1e}" + ("" if same_keys else ", grads differ")
     detail = f"{', '.join(errs)}: " + (f"loss within {LOSS_TOL:.0e}, every gradient within {GRAD_TOL:.0e}" if exact
                                        else errors)
-    return {**out, "result": "exact" if exact else "mismatch", "detail": detail, "errors": errors}
+    if not exact:
+        return {**out, "result": "mismatch", "detail": detail, "errors": errors, "packed": ""}
+    padding, packed = _padding(make), _packing(make)
+    result = "mismatch" if "mismatch" in padding + packed else "exact"
+    return {**out, "result": result, "detail": f"{detail}; {padding}", "errors": errors, "packed": packed}
+
+
+def _within(a: tuple, b: tuple) -> bool:
+    """(loss, grads) pairs agree within the sweep's tolerances."""
+    return abs(a[0] - b[0]) < LOSS_TOL * abs(b[0]) and a[1].keys() == b[1].keys() and grad_error(a[1], b[1]) < GRAD_TOL
+
+
+def _run(model, data, patched: bool):
+    """(loss, grads) of one forward / backward; patched: cp 2 ring, gradients averaged over the ranks."""
+    import hfcp
+
+    if patched:
+        hfcp.patch(model, process_group=dist.group.WORLD)
+    try:
+        loss = model(**data, use_cache=False).loss
+        loss.backward()
+    finally:
+        hfcp.unpatch(model)
+    grads = _grads(model)
+    if patched:
+        for g in grads.values():
+            dist.all_reduce(g)
+            g /= dist.get_world_size()
+    return loss.item(), grads
+
+
+def _padding(make) -> str:
+    """Left padding in row 0 and a hole in row 1 (attention_mask), ring against the unpatched model."""
+    data = batch(make().config.get_text_config().vocab_size)
+    mask = torch.ones_like(data["input_ids"])
+    mask[0, :5], mask[1, 9:12] = 0, 0
+    data["labels"][0, :6], data["labels"][1, 9:13] = -100, -100  # no target predicted from a padding row
+    data["attention_mask"] = mask
+    try:
+        got = _run(make(), data, patched=True)
+    except ValueError as e:
+        return f"padding refused ({str(e)[:120]})"
+    return "padding and mask holes exact" if _within(got, _run(make(), data, False)) else "padding mismatch"
+
+
+def _packing(make) -> str:
+    """Two documents per row (position_ids resets, no mask), ring against the unpatched model; where they differ,
+    against each document run alone (what packing means, and what transformers' flash-attention path gives)."""
+    def make_no_aux():  # the router aux loss is a mean per forward: it does not add up over documents run alone
+        m = make()
+        m.config.output_router_logits = False
+        return m
+
+    data = batch(make().config.get_text_config().vocab_size)
+    cuts = (10, 15)
+    data["position_ids"] = torch.stack([torch.cat([torch.arange(c), torch.arange(L - c)]) for c in cuts])
+    for row, c in enumerate(cuts):
+        data["labels"][row, c] = -100  # a document's first token is no target
+    try:
+        got = _run(make_no_aux(), data, patched=True)
+    except ValueError as e:
+        return f"refused ({str(e)[:120]})"
+    if _within(got, _run(make_no_aux(), data, False)):
+        return "as transformers"
+    alone = make_no_aux()
+    total = int((data["labels"][:, 1:] != -100).sum())
+    loss = 0.0
+    for row, c in enumerate(cuts):
+        for a, b in ((0, c), (c, L)):
+            labels = data["labels"][row:row + 1, a:b]
+            part = alone(input_ids=data["input_ids"][row:row + 1, a:b], labels=labels, use_cache=False).loss
+            part = part * int((labels[:, 1:] != -100).sum()) / total
+            part.backward()
+            loss += part.item()
+    if _within(got, (loss, _grads(alone))):
+        return "documents apart (transformers' SDPA path attends across them)"
+    return "packed mismatch"
 
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # relative; gradients: the worst parameter (hfcp.verify.grad_error)
