@@ -48,6 +48,23 @@ def interface_attention_classes(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(sorted({type(m).__name__ for m in model.modules() if uses_attention_interface(m)}))
 
 
+def not_through_interface(model, attention_classes: tuple[str, ...]) -> str | None:
+    """Why the modules of `attention_classes` cannot be rerouted to hfcp's attention, or None: each named class must
+    exist in the model and compute attention through transformers' AttentionInterface (a module that computes
+    attention itself would attend within its rank's shard only)."""
+    found = {type(m).__name__: m for m in model.modules() if type(m).__name__ in attention_classes}
+    missing = [c for c in attention_classes if c not in found]
+    if missing:
+        return f"its record names attention classes {missing} that {type(model).__name__} does not have"
+    own = [c for c, m in found.items() if not uses_attention_interface(m)]
+    if not own:
+        return None
+    inside = sorted({type(c).__name__ for c in found[own[0]].modules() if uses_attention_interface(c)})
+    hint = f" ({', '.join(inside)}, inside it, does: name that class)" if inside else ""
+    return (f"{', '.join(own)} does not compute attention through transformers' AttentionInterface{hint}, so hfcp "
+            "cannot reroute it")
+
+
 def decoder_layers(model, num_layers: int) -> list[torch.nn.Module] | None:
     """The first ModuleList of `num_layers` modules (the decoder layers), or None."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]

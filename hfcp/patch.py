@@ -13,7 +13,8 @@ from transformers.models.auto import modeling_auto
 from .attention import STRATEGIES, build_usp_groups, check_heads, check_ulysses_size
 from .collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
-from .introspect import interface_attention_classes, logit_transform, other_mixers, router_aux_loss
+from .introspect import (interface_attention_classes, logit_transform, not_through_interface, other_mixers,
+                         router_aux_loss)
 from . import rope, vision_hooks
 from .lm_hooks import ShardSequenceHook
 from .linear_ce import IDENTITY, LogitTransform
@@ -84,23 +85,34 @@ _HEADS = {  # transformers' auto mappings -> how hfcp treats the head
 
 
 def patcher_for(inner: PreTrainedModel) -> Patcher:
-    """The model type's Patcher; for a family registered with read_from_model, its attention classes read from
-    this model, which must mix tokens through them alone.
+    """The model type's Patcher, with its attention classes read from this model for a family registered with
+    read_from_model. Every record, whoever registered it, is held to the same model checks: its attention classes
+    compute attention through transformers' AttentionInterface, they are the only sequence mixers, and the model
+    does not compute positions from input_ids. A record with skip_model_checks=True skips them (its author takes
+    responsibility; hfcp logs a warning).
 
     Raises:
         UnsupportedModelError: no record, a known refusal, or a model that needs what hfcp does not implement.
     """
     patcher = REGISTRY.lookup(inner.config.model_type)
-    if not patcher.read_from_model:
+    if patcher.skip_model_checks:
+        log.warning("hfcp: the record for model_type=%r skips hfcp's model checks (skip_model_checks=True): a sequence "
+                    "mixer other than its attention classes would see only its rank's shard, silently",
+                    patcher.model_type)
         return patcher
-    _warn_if_verified_elsewhere(patcher)
-    classes = interface_attention_classes(inner)
+    if patcher.read_from_model:
+        _warn_if_verified_elsewhere(patcher)
+        classes = interface_attention_classes(inner)
+    else:
+        classes = patcher.attention_classes
     reason = None if classes else ("none of its modules computes attention through transformers' AttentionInterface "
                                    "(its sequence mixing happens elsewhere)")
-    reason = reason or other_mixers(inner, classes)
+    reason = reason or not_through_interface(inner, classes) or other_mixers(inner, classes)
     if reason is not None:
+        how = "" if patcher.read_from_model else (" (checked for the record registered for it; a record that "
+                                                  "knows better can pass skip_model_checks=True)")
         raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}) is not "
-                                    f"supported by hfcp: {reason}")
+                                    f"supported by hfcp: {reason}{how}")
     return dataclasses.replace(patcher, attention_classes=classes, read_from_model=False)
 
 

@@ -31,6 +31,10 @@ class Patcher:
             whose code computes a per-position term from the index within the tokens a layer sees (a rank's shard
             under CP), exact only while that term is the same for every index; longer batches are refused.
         max_seq_len_reason: why, and what to do, for that error.
+        skip_model_checks: skip the checks every record is held to at patch time (attention classes compute
+            attention through transformers' AttentionInterface and are the only sequence mixers; positions are not
+            computed from input_ids). For a record whose author has shown it exact otherwise: they take
+            responsibility for what the checks would have refused.
         positions_from_mask: without position_ids the family derives them from the attention mask
             (cumsum(mask) * mask - 1, as OPT); hfcp computes them so over the whole mask before splitting.
     """
@@ -49,6 +53,7 @@ class Patcher:
     max_seq_len: Callable | None = None
     max_seq_len_reason: str = ""
     positions_from_mask: bool = False
+    skip_model_checks: bool = False
 
 
 _HOW_TO_REGISTER = (

@@ -240,3 +240,57 @@ def _verified():
     from hfcp.patches import verified
 
     return verified.VERIFIED
+
+
+def user_record_types(results) -> list[str]:
+    """The types the sweep refused: a user could register a record for any of them."""
+    return [r["type"] for r in results if r["result"] == "refused"]
+
+
+SKIP = False  # True: as before every record was checked (shows the hole the checks close)
+
+
+def user_records(types) -> list[dict]:
+    """Each type tried as a user would register it: hfcp.Patcher(model_type, attention_classes=<every module class
+    whose name ends in "Attention">), cp 2 ring against the unpatched model. Every record is held to hfcp's model
+    checks, so each must come out exact or refused (issue 19: such records came out silently wrong or crashed)."""
+    from hfcp.registry import REGISTRY, Patcher
+
+    out = []
+    for t in types:
+        try:
+            names = tuple(sorted({type(m).__name__ for m in build(t).modules() if type(m).__name__.endswith("Attention")}))
+        except Exception as e:  # noqa: BLE001
+            out.append({"type": t, "result": "not built", "detail": str(e)[:100]})
+            continue
+        saved = REGISTRY._patchers.pop(t, None)
+        REGISTRY.register(Patcher(model_type=t, attention_classes=names or ("Attention",), skip_model_checks=SKIP))
+        try:
+            out.append({**_check(t), "classes": names})
+        except Exception as e:  # noqa: BLE001 - a raw error of the model code under CP (AssertionError, IndexError)
+            out.append({"type": t, "result": "error", "detail": f"{type(e).__name__}: {str(e)[:200]}", "classes": names})
+        finally:
+            REGISTRY._patchers.pop(t)
+            if saved is not None:
+                REGISTRY._patchers[t] = saved
+    return out
+
+
+def user_record(model_type: str, classes: tuple, skip: bool = False) -> str:
+    """Patch a tiny model of `model_type` with a record naming `classes`: hfcp's refusal, or "patched"."""
+    import hfcp
+    from hfcp.registry import REGISTRY, Patcher
+
+    saved = REGISTRY._patchers.pop(model_type, None)
+    REGISTRY.register(Patcher(model_type=model_type, attention_classes=classes, skip_model_checks=skip))
+    model = build(model_type)
+    try:
+        hfcp.patch(model, process_group=dist.group.WORLD)
+        return "patched"
+    except hfcp.UnsupportedModelError as e:
+        return str(e)
+    finally:
+        hfcp.unpatch(model)
+        REGISTRY._patchers.pop(model_type)
+        if saved is not None:
+            REGISTRY._patchers[model_type] = saved

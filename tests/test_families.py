@@ -42,3 +42,23 @@ def test_families_refused_for_their_features(pool2):
     out = pool2.run(S.refusals)[0]
     assert "passes indices=tensor" in out["sparse_indices"], out
     assert "router auxiliary loss is computed in a form hfcp does not read" in out["aux_loss_form"], out
+
+
+def test_records_a_user_registers_are_held_to_the_same_checks(pool2, sweep):
+    # every type the sweep refuses, registered as a user would (attention classes named by hand): exact or refused,
+    # never silently wrong or a raw error (before, 4 came out wrong and 2 crashed this way: sweep_families.SKIP)
+    out = pool2.run(S.user_records, S.user_record_types(sweep), timeout=900)[0]
+    assert len(out) >= 40, len(out)
+    bad = [r for r in out if r["result"] not in ("exact", "refused")]
+    assert not bad, bad
+    reasons = {r["type"]: r["detail"] for r in out}
+    assert "mixes tokens without attention" in reasons["falcon_h1"] or "sequence mixer" in reasons["falcon_h1"], reasons
+    assert "MultiHeadAttention does not compute attention through" in reasons["xlm"], reasons["xlm"]
+    assert "(RobertaSelfAttention, inside it, does: name that class)" in reasons["roberta"], reasons["roberta"]
+
+
+def test_a_user_record_naming_the_right_class_is_still_checked_and_can_opt_out(pool2):
+    # RoBERTa computes position ids from input_ids: a record naming its interface class was silently wrong before
+    msg = pool2.run(S.user_record, "roberta", ("RobertaSelfAttention",))[0]
+    assert "computes position ids from input_ids" in msg and "skip_model_checks=True" in msg, msg
+    assert pool2.run(S.user_record, "roberta", ("RobertaSelfAttention",), True)[0] == "patched"
