@@ -12,7 +12,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="check the patched model against the unpatched one (exit 1 if not exact)")
     v.add_argument("--model", required=True, help="a checkpoint directory, or a model_type (a tiny random model)")
-    v.add_argument("--seq-len", type=int, default=512)
+    v.add_argument("--seq-len", type=int, default=512,
+                   help="tokens (a tiny random model with a learned position table, gpt2 or bert, holds 256)")
     v.add_argument("--cp-size", type=int, default=2, help="processes to start (one CP group)")
     v.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses", "usp"])
     v.add_argument("--data", help="a text file (tokenized with the checkpoint's tokenizer); default: random ids")
@@ -21,9 +22,13 @@ def main(argv=None) -> int:
     if args.seq_len < 2 or args.cp_size < 2:
         ap.error(f"--seq-len {args.seq_len} must be at least 2 and --cp-size {args.cp_size} at least 2")
 
-    from .verify import GRAD_TOL, LOGIT_TOL, LOSS_TOL, verify
+    from .verify import GRAD_TOL, LOGIT_TOL, LOSS_TOL, VerifyError, verify
 
-    report = verify(args.model, args.seq_len, args.cp_size, args.strategy, args.data)
+    try:
+        report = verify(args.model, args.seq_len, args.cp_size, args.strategy, args.data)
+    except VerifyError as e:  # one line, no traceback: 2 bad arguments (as argparse), 1 no verdict
+        print(f"hfcp verify: {'error: ' if e.exit_status == 2 else ''}{e}", file=sys.stderr)
+        return e.exit_status
     if args.json:
         print(json.dumps(asdict(report)))
     else:

@@ -5,13 +5,19 @@ Each of `cp_size` processes (gloo on CPU, NCCL on GPUs) builds the same model, r
 whole sequence, then the patched model on its shard. Where the fp32 reference and hfcp disagree beyond tolerance,
 both are compared with a float64 reference before deciding (fp32 cross-entropy over a large vocabulary is itself
 off by more than hfcp's chunked loss; DESIGN.md "Accuracy reference").
+
+What can be checked without the processes is checked first, in the caller (`check_arguments`); an exception raised in
+a worker comes back as a `VerifyError` whose message is its one line "Type: message".
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import os
 import resource
 import socket
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,12 +44,119 @@ class Report:
     reason: str | None = None
 
 
+class VerifyError(Exception):
+    """`hfcp verify` gave no verdict. `exit_status`: 2 for bad arguments (found before any process starts), 1 where
+    no tiny random model of the type could be built or a worker raised (the message is then "Type: message")."""
+
+    def __init__(self, message: str, exit_status: int = 1):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _is_checkpoint(model: str) -> bool:
+    return Path(model, "config.json").is_file()
+
+
+def position_limit(model) -> tuple[int, str] | None:
+    """The longest sequence `model`'s learned position table holds, and the table's name; None without one (rotary,
+    ALiBi, no positions: any length runs). A table: an embedding other than the input embeddings with
+    max_position_embeddings rows (up to 2 more: OPT's offset). Works on a model on the meta device. (Fixed tables held
+    in buffers are not looked for: XGLM's grows with the sequence, CTRL's does not; the worker then says so.)"""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    try:
+        inputs = model.get_input_embeddings()
+    except NotImplementedError:
+        inputs = None
+    tables = [n for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Embedding) and m is not inputs and limit <= m.num_embeddings <= limit + 2]
+    return (limit, tables[0]) if tables else None
+
+
+def check_arguments(model: str, seq_len: int, data: str | None = None) -> None:
+    """Check in the calling process what needs no worker: `model` is a checkpoint directory (config.json of a causal
+    LM) or a causal-LM model_type (whose tiny random model is built here), `data` goes with a checkpoint and gives
+    tokens, and `seq_len` fits the model's position table where it has one.
+
+    Raises:
+        VerifyError: exit_status 2 for bad arguments; 1 where hfcp.tiny builds no tiny random model of the type.
+    """
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
+
+    if _is_checkpoint(model):
+        try:
+            config = transformers.AutoConfig.from_pretrained(model)
+        except Exception as e:
+            raise VerifyError(f"--model {model}: its config.json does not load ({_one_line(e)})", 2) from e
+        if config.model_type not in CAUSAL_LM:
+            raise VerifyError(f"--model {model}: its config.json has model_type {config.model_type!r}, which has "
+                              f"no causal-LM class in transformers {transformers.__version__} (AutoModelForCausalLM): "
+                              f"pass a causal LM's checkpoint", 2)
+        if data is not None:
+            if not Path(data).is_file():
+                raise VerifyError(f"--data {data}: no such file", 2)
+            try:
+                tok = transformers.AutoTokenizer.from_pretrained(model)
+                ids = tok(Path(data).read_text(encoding="utf-8"))["input_ids"]
+            except Exception as e:
+                why = f"not tokenized with {model}'s tokenizer ({_one_line(e)})"
+                raise VerifyError(f"--data {data}: {why}: save the checkpoint's tokenizer into it (save_pretrained), "
+                                  f"or leave out --data", 2) from e
+            vocab = config.get_text_config().vocab_size
+            if not ids or max(ids) >= vocab:  # no tokenizer saved: transformers makes an empty one of the family
+                got = "no tokens" if not ids else f"id {max(ids)}, beyond the model's vocab_size {vocab}"
+                raise VerifyError(f"--data {data}: {model}'s tokenizer ({type(tok).__name__}, {len(tok)} entries) "
+                                  f"gives {got}: pass a text file with text, and save the checkpoint's own tokenizer "
+                                  f"into {model} (save_pretrained)", 2)
+        limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+        if not isinstance(limit, int) or seq_len <= limit:
+            return  # within the positions the config names, or none named: nothing to look for
+        try:
+            with torch.device("meta"):  # the model's modules, no weights: whether it has a position table
+                built = transformers.AutoModelForCausalLM.from_config(config)
+        except Exception:
+            return  # the workers will say what fails, one line
+        what = f"the checkpoint {model}"
+    elif model in CAUSAL_LM:
+        if data is not None:
+            from .tiny import TINY
+
+            raise VerifyError(f"--data {data} needs a checkpoint directory (its tokenizer): the tiny random {model} "
+                              f"has a random vocabulary of {TINY['vocab_size']} ids and no tokenizer; leave out --data "
+                              f"(seeded random ids) or pass a checkpoint directory", 2)
+        try:
+            built = load_model(model)
+        except Exception as e:
+            raise VerifyError(f"{_one_line(e)} (hfcp.tiny builds no tiny random model of {model}: verify a "
+                              f"checkpoint directory of it instead)", 1) from e
+        what = f"the tiny random {model} of hfcp.tiny"
+    else:
+        where = ("a directory without config.json" if Path(model).is_dir()
+                 else "a file, not a directory" if Path(model).exists() else "no such directory")
+        close = difflib.get_close_matches(model, CAUSAL_LM, n=3)
+        hint = f" (close: {', '.join(close)})" if close else ""
+        raise VerifyError(f"--model {model}: {where}, and not a causal-LM model_type of transformers "
+                          f"{transformers.__version__}{hint}: pass a checkpoint directory (with config.json, as "
+                          f"save_pretrained writes) or one of the {len(CAUSAL_LM)} types of "
+                          f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", 2)
+    table = position_limit(built)
+    if table is not None and seq_len > table[0]:
+        raise VerifyError(f"--seq-len {seq_len} is more than the {table[0]} positions of {what} (its position table "
+                          f"{table[1]}, max_position_embeddings={table[0]}): pass --seq-len {table[0]} or less", 2)
+
+
 def load_model(model: str, dtype=torch.float32):
     """A checkpoint directory, or a model_type (a tiny random model of it)."""
-    if Path(model, "config.json").is_file():
+    if _is_checkpoint(model):
         from transformers import AutoModelForCausalLM
 
-        m = AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype, attn_implementation="sdpa")
+        m = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
         return m.train()
     from .tiny import tiny_model
 
@@ -134,33 +247,61 @@ def run_rank(model_name: str, seq_len: int, strategy: str, data: str | None) -> 
     return report
 
 
-def _worker(rank: int, cp: int, port: int, args: tuple, result_path: str) -> None:
+def _error_path(tmp: str, rank: int) -> Path:
+    return Path(tmp, f"error{rank}.txt")
+
+
+def _worker(rank: int, cp: int, port: int, args: tuple, tmp: str) -> None:
+    """Writes rank 0's report to tmp/report.json; an exception, as one line, to tmp/error{rank}.txt (exit status 1,
+    no traceback: torch's spawn would carry one to the parent)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cp),
                       LOCAL_RANK=str(rank))
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= cp
-    if cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=cp)
     try:
-        report = run_rank(*args)
-        if rank == 0:
-            Path(result_path).write_text(json.dumps(asdict(report)))
-    finally:
-        dist.destroy_process_group()
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= cp
+        if cuda:
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=cp)
+        try:
+            report = run_rank(*args)
+            if rank == 0:
+                Path(tmp, "report.json").write_text(json.dumps(asdict(report)))
+        finally:
+            dist.destroy_process_group()
+    except Exception as e:
+        _error_path(tmp, rank).write_text(_one_line(e))
+        sys.exit(1)
 
 
 def verify(model: str, seq_len: int, cp_size: int, strategy: str = "ring", data: str | None = None) -> Report:
-    """Start `cp_size` processes and return rank 0's report."""
+    """Check the arguments here (`check_arguments`), start `cp_size` processes and return rank 0's report.
+
+    Raises:
+        VerifyError: bad arguments (exit_status 2); no tiny model of the type, or an exception in a worker, whose
+            message is then that exception's "Type: message" (exit_status 1).
+    """
     import tempfile
 
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
+    check_arguments(model, seq_len, data)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "report.json")
-        mp.spawn(_worker, args=(cp_size, port, (model, seq_len, strategy, data), path), nprocs=cp_size, join=True)
-        return Report(**json.loads(Path(path).read_text()))
+        ctx = mp.spawn(_worker, args=(cp_size, port, (model, seq_len, strategy, data), tmp), nprocs=cp_size,
+                       join=False)
+        # when one rank fails, the others get time to fail too and say why (one blocked in a collective sees its
+        # peer gone) before torch terminates them (grace_period: torch 2.5 and later)
+        grace = {"grace_period": 10.0} if "grace_period" in inspect.signature(ctx.join).parameters else {}
+        try:
+            while not ctx.join(**grace):
+                pass
+        except ProcessException as e:  # the first rank to fail first, then the others (a peer's failure as seen)
+            for rank in [e.error_index, *range(cp_size)]:
+                if _error_path(tmp, rank).is_file():
+                    raise VerifyError(_error_path(tmp, rank).read_text()) from None
+            raise VerifyError(_one_line(e)) from None  # killed (a signal) or exited without an exception
+        return Report(**json.loads(Path(tmp, "report.json").read_text()))

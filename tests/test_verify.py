@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,3 +34,61 @@ def test_verify_bad_arguments_exit_with_usage():
     r = subprocess.run([sys.executable, "-m", "hfcp.cli", "verify", "--model", "llama", "--cp-size", "1"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2 and "--cp-size 1 at least 2" in r.stderr, r.stderr
+
+
+def _console(*args):
+    """The installed console command (`hfcp`, next to this interpreter), or the module where it is not installed."""
+    script = Path(sys.executable).with_name("hfcp")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "hfcp.cli"]
+    return subprocess.run([*cmd, "verify", *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def _config_only(tmp_path):  # a checkpoint directory whose weights are missing: only loading the model finds that
+    from hfcp.tiny import tiny_config
+
+    tiny_config("gpt2").save_pretrained(tmp_path / "ckpt")
+    return str(tmp_path / "ckpt")
+
+
+# (arguments, exit status, the line's start, whether the parent refuses before starting any worker)
+BAD_INVOCATIONS = {
+    "seq_len_beyond_the_tiny_models_positions": (
+        lambda tmp: ["--model", "gpt2"], 2,
+        "hfcp verify: error: --seq-len 512 is more than the 256 positions of the tiny random gpt2 of hfcp.tiny "
+        "(its position table transformer.wpe, max_position_embeddings=256): pass --seq-len 256 or less", True),
+    "unknown_model_type": (
+        lambda tmp: ["--model", "not_a_type"], 2,
+        "hfcp verify: error: --model not_a_type: no such directory, and not a causal-LM model_type of transformers",
+        True),
+    "directory_without_config_json": (
+        lambda tmp: ["--model", str(tmp)], 2,
+        "hfcp verify: error: --model {tmp}: a directory without config.json, and not a causal-LM model_type", True),
+    "type_of_which_no_tiny_model_is_built": (
+        lambda tmp: ["--model", "bart", "--seq-len", "32"], 1,
+        "hfcp verify: ValueError: the tiny config still has 3.3M parameters (hfcp.tiny builds no tiny random model "
+        "of bart: verify a checkpoint directory of it instead)", True),
+    "data_with_a_model_type": (
+        lambda tmp: ["--model", "gpt2", "--seq-len", "32", "--data", str(ROOT / "README.md")], 2,
+        "hfcp verify: error: --data {root}/README.md needs a checkpoint directory (its tokenizer): the tiny random "
+        "gpt2 has a random vocabulary of 96 ids and no tokenizer", True),
+    "error_raised_in_the_workers": (
+        lambda tmp: ["--model", _config_only(tmp), "--seq-len", "32"], 1,
+        "hfcp verify: OSError: Error no file named model.safetensors, or pytorch_model.bin, found in directory "
+        "{tmp}/ckpt", False),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INVOCATIONS))
+def test_verify_bad_invocations_print_one_line_and_exit_nonzero(case, tmp_path):
+    """Each prints one line (`hfcp verify: error: ...` for bad arguments, exit 2; `hfcp verify: Type: message`, exit
+    1, for what was raised building or running the model), never a traceback; the parent finds bad arguments before
+    starting any worker."""
+    args, status, line, in_parent = BAD_INVOCATIONS[case]
+    r = _console(*args(tmp_path))
+    out = r.stdout + r.stderr
+    assert "Traceback" not in out, out[-3000:]
+    assert r.returncode == status, (r.returncode, out[-3000:])
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(line.format(tmp=tmp_path, root=ROOT)), last
+    if in_parent:  # nothing else printed: no worker started
+        assert r.stdout == "" and r.stderr.strip() == last, out[-3000:]
