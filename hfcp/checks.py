@@ -15,8 +15,11 @@ import torch.distributed as dist
 
 from .collectives import all_gather_no_grad
 
-BATCH_NAMES = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "token_type_ids", "labels", "shift_labels",
-               "num_items_in_batch", "ignore_index", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+BATCH_NAMES = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "token_type_ids", "labels",
+               "shift_labels", "num_items_in_batch", "ignore_index", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx",
+               # vision-language models: what the outer model encodes and merges on every rank
+               "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
+               "mm_token_type_ids")
 _BLOCK = 1 << 18  # words per weighted block
 _MASK64 = (1 << 64) - 1
 
@@ -105,6 +108,8 @@ def check_shapes(kw: dict, batch: int, length: int) -> None:
             continue
         rows = (1, batch) if name in ("position_ids", "token_type_ids") else (batch,)
         ok = t.dim() == 2 and t.shape[1] == length and t.shape[0] in rows
+        if name == "position_ids":  # any leading dims: (B, L), (3, B, L) mRoPE, (4, B, L) with a text row
+            ok = t.dim() >= 2 and t.shape[-1] == length and t.shape[-2] in rows
         if not ok:
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)} but the input is (batch={batch}, seq={length}); "

@@ -151,6 +151,42 @@ def loss_chunk_for(setting, training: bool) -> int | None:
     return setting
 
 
+def shard_inputs(st, kw: dict, layout: Layout, outer_masks) -> None:
+    """The step's metadata from the whole batch in kw (st.step), then kw's per-token inputs replaced by this rank's
+    slice: input_ids / inputs_embeds, position_ids of any leading shape ((B, L), (3, B, L) mRoPE, (4, B, L) with a
+    text row) along their last dim, token_type_ids; the mask becomes the step token."""
+    ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
+    x = ids if ids is not None else embeds
+    B, L = x.shape[:2]
+    mask = kw.get("attention_mask")
+    pos = kw.get("position_ids")
+    if pos is None:
+        pos = default_positions(st.patcher, mask, B, L, x.device)
+    pos = pos.expand(*pos.shape[:-2], B, L) if pos.dim() >= 2 else pos.expand(B, L)
+    sb = build_step_batch(layout, st.mesh.cp_rank, B, text_positions(pos), mask, x.device)
+    sb.outer_masks, sb.max_position = outer_masks, pos.amax()
+    st.step = sb
+    idx = sb.local_index.to(x.device)
+    P = layout.padded_len
+    if ids is not None:
+        kw["input_ids"] = pad_to(ids, P, 1, 0).index_select(1, idx)
+    if embeds is not None:
+        kw["inputs_embeds"] = pad_to(embeds, P, 1, 0.0).index_select(1, idx)
+    kw["position_ids"] = pad_to(pos, P, pos.dim() - 1, 0).index_select(pos.dim() - 1, idx)
+    if kw.get("token_type_ids") is not None:  # per-token segment ids (BERT, GPT-2, CTRL): split like the tokens
+        kw["token_type_ids"] = pad_to(kw["token_type_ids"].expand(B, -1), P, 1, 0).index_select(1, idx)
+    kw["attention_mask"] = step_token(sb, x.device)
+
+
+def text_positions(pos: torch.Tensor) -> torch.Tensor | None:
+    """(B, L) positions whose resets mark packed documents: the positions themselves, the text row of a (4, B, L)
+    mRoPE tensor (Qwen-VL), or None for (3, B, L) mRoPE rows (an image's rows are not +1 steps: never read as
+    document starts)."""
+    if pos.dim() == 2:
+        return pos
+    return pos[0] if pos.dim() == 3 and pos.shape[0] == 4 else None
+
+
 def default_positions(patcher, mask, batch: int, length: int, device) -> torch.Tensor:
     """(B, L) position ids of a batch given without them, over the whole sequence, as the family computes them:
     0, 1, 2, ..., or from the attention mask for a family that derives them from it (Patcher.positions_from_mask:
@@ -192,8 +228,9 @@ class ShardSequenceHook(ModelHook):
     """pre_forward: full batch -> per-step layout + local input_ids/inputs_embeds/position_ids, shifted
     local labels kept aside; post_forward: loss = global token-weighted mean, equal on every rank."""
 
-    def __init__(self, state):
+    def __init__(self, state, shards: bool = True):
         self.state = state
+        self.shards = shards  # False: the outer model of a VLM (loss here, sharding at its language model's input)
         self._restore_head = None
         self._chunk = None  # tokens per loss chunk in this forward, or None: loss from the logits
 
@@ -209,28 +246,15 @@ class ShardSequenceHook(ModelHook):
         st.router_logits_wanted, st.router_logits = router_logits_wanted(st, module, kw), None
         if "use_cache" in inspect.signature(module._old_forward).parameters:
             kw["use_cache"] = False
-        B, L = x.shape[:2]
-        ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
-        mask = kw.get("attention_mask")
-        layout = Layout(L, st.mesh.cp_size, zigzag=st.patcher.causal)
+        layout = Layout(x.shape[1], st.mesh.cp_size, zigzag=st.patcher.causal)
         check_length_limit(st.patcher, module.config, layout)
-        pos = kw.get("position_ids")
-        if pos is None:
-            pos = default_positions(st.patcher, mask, B, L, x.device)
-        sb = build_step_batch(layout, st.mesh.cp_rank, B, pos, mask, x.device)
-        sb.outer_masks, sb.max_position = outer_masks, pos.amax()
-        st.step = sb
         st.attention_calls = set()
-        idx = sb.local_index.to(x.device)
+        if self.shards:
+            shard_inputs(st, kw, layout, outer_masks)
+        else:  # a vision-language model: its language model's hook shards the merged sequence (vlm_hooks)
+            st.step, st.pending_layout = None, layout
+        idx = layout.local_index(st.mesh.cp_rank, x.device)
         P = layout.padded_len
-        if ids is not None:
-            kw["input_ids"] = pad_to(ids, P, 1, 0).index_select(1, idx)
-        if embeds is not None:
-            kw["inputs_embeds"] = pad_to(embeds, P, 1, 0.0).index_select(1, idx)
-        kw["position_ids"] = pad_to(pos.expand(B, -1), P, 1, 0).index_select(1, idx)
-        if kw.get("token_type_ids") is not None:  # per-token segment ids (BERT, GPT-2, CTRL): split like the tokens
-            kw["token_type_ids"] = pad_to(kw["token_type_ids"].expand(B, -1), P, 1, 0).index_select(1, idx)
-        kw["attention_mask"] = step_token(sb, x.device)
         st.targets = st.denominator = st.token_stats = None
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None
         if labels is not None:

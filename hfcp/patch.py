@@ -17,6 +17,7 @@ from .introspect import (interface_attention_classes, logit_transform, not_throu
                          router_aux_loss)
 from . import rope, vision_hooks
 from .lm_hooks import ShardSequenceHook
+from .vlm_hooks import LanguageModelHook, find_language_model
 from .linear_ce import IDENTITY, LogitTransform
 from .layout import StepBatch
 from .mesh import Mesh, as_timedelta, build_mesh
@@ -43,6 +44,8 @@ class CPState:
     hooks: list = field(default_factory=list)  # [(module, hook)] attached by patch
     rope_restores: list = field(default_factory=list)  # dynamic RoPE modules wrapped by patch (hfcp/rope.py)
     step: StepBatch | None = None
+    pending_layout: object = None  # a VLM's layout between its outer model's hook and its language model's hook
+    attn_owner: object = None  # the model whose attn_implementation patch set (a VLM: its language model only)
     targets: torch.Tensor | None = None
     denominator: object = None
     loss_sum: torch.Tensor | None = None
@@ -78,7 +81,7 @@ def find_pretrained(model) -> PreTrainedModel:
 
 
 _HEADS = {  # transformers' auto mappings -> how hfcp treats the head
-    "causal_lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",),
+    "causal_lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
     "classification": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES"),
     "base": ("MODEL_MAPPING_NAMES",),
 }
@@ -100,14 +103,20 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
                     "mixer other than its attention classes would see only its rank's shard, silently",
                     patcher.model_type)
         return patcher
+    target = inner
+    if patcher.language_model:  # a VLM: its language model mixes the merged sequence (the vision tower runs whole)
+        target = find_language_model(inner)
+        if target is None:
+            raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}): hfcp found no "
+                                        "language_model whose config is the model's text config")
     if patcher.read_from_model:
         _warn_if_verified_elsewhere(patcher)
-        classes = interface_attention_classes(inner)
+        classes = interface_attention_classes(target)
     else:
         classes = patcher.attention_classes
     reason = None if classes else ("none of its modules computes attention through transformers' AttentionInterface "
                                    "(its sequence mixing happens elsewhere)")
-    reason = reason or not_through_interface(inner, classes) or other_mixers(inner, classes)
+    reason = reason or not_through_interface(target, classes) or other_mixers(target, classes)
     if reason is not None:
         how = "" if patcher.read_from_model else (" (checked for the record registered for it; a record that "
                                                   "knows better can pass skip_model_checks=True)")
@@ -194,7 +203,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             f"model is already patched with other settings ({', '.join(f'{k}={a!r}, now {b!r}' for k, (a, b) in differ.items())}); "
             "call hfcp.unpatch(model) before patching with other settings"
         )
-    modules = [m for m in inner.modules() if type(m).__name__ in patcher.attention_classes]
+    owner = find_language_model(inner) if patcher.language_model else inner  # whose attention hfcp runs
+    modules = [m for m in owner.modules() if type(m).__name__ in patcher.attention_classes]
     if not modules:
         raise UnsupportedModelError(
             f"the {model_type!r} patcher looks for {patcher.attention_classes} but {type(inner).__name__} has none"
@@ -221,16 +231,22 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             raise UnsupportedModelError(f"the {model_type!r} patcher found no {patcher.embeddings_classes} module")
     register_with_transformers()
     state = CPState(mesh, strategy, patcher, head,
-                    original_attn=inner.config._attn_implementation, settings=settings,
+                    original_attn=owner.config._attn_implementation, settings=settings, attn_owner=owner,
                     check_inputs=check_inputs, loss_chunk=chunk, attention_group=attention_group,
                     modules=modules, logit_transform=transform or IDENTITY,
                     router_aux=router_aux_loss(inner) if head == "causal_lm" else None)
-    inner.set_attn_implementation(KEY)
+    if patcher.language_model and state.router_aux is not None:
+        state.router_aux = "hfcp does not compute the router aux loss of a vision-language model yet"
+    owner.set_attn_implementation(KEY)
     inner._hfcp_state = state
     for m in modules:
         m._hfcp_state = state
     if embeddings is not None:
         state.hooks = vision_hooks.attach(inner, state, embeddings)
+    elif patcher.language_model:  # the loss at the outer model, the sharding at its language model's input
+        state.hooks = [(inner, ShardSequenceHook(state, shards=False)), (owner, LanguageModelHook(state))]
+        for module, hook in state.hooks:
+            add_hook_to_module(module, hook, append=True)
     else:
         state.hooks = [(inner, ShardSequenceHook(state))]
         add_hook_to_module(inner, state.hooks[0][1], append=True)
@@ -257,7 +273,7 @@ def unpatch(model):
             ours.restore_pending_head()
         _remove_hook(module, ours)
     rope.detach(state.rope_restores)
-    inner.set_attn_implementation(state.original_attn)
+    state.attn_owner.set_attn_implementation(state.original_attn)
     for m in state.modules:
         del m._hfcp_state
     del inner._hfcp_state

@@ -35,6 +35,9 @@ class Patcher:
             attention through transformers' AttentionInterface and are the only sequence mixers; positions are not
             computed from input_ids). For a record whose author has shown it exact otherwise: they take
             responsibility for what the checks would have refused.
+        language_model: a vision-language model: the attention classes are those of its language model
+            (`model.model.language_model`), whose input, the merged sequence, hfcp shards; the outer model encodes
+            images, merges them and computes positions whole on every rank (hfcp/vlm_hooks.py).
         positions_from_mask: without position_ids the family derives them from the attention mask
             (cumsum(mask) * mask - 1, as OPT); hfcp computes them so over the whole mask before splitting.
     """
@@ -54,6 +57,7 @@ class Patcher:
     max_seq_len_reason: str = ""
     positions_from_mask: bool = False
     skip_model_checks: bool = False
+    language_model: bool = False
 
 
 _HOW_TO_REGISTER = (

@@ -1,0 +1,70 @@
+"""Vision-language models: the merged token sequence under CP (DESIGN.md "Vision-language models").
+
+The outer model (`...ForConditionalGeneration`) keeps its whole inputs: every rank encodes the images, merges their
+features into `inputs_embeds` and computes the positions (mRoPE's rope index over the whole `input_ids` and grids)
+exactly as one device does. Its hook (lm_hooks.ShardSequenceHook with shards=False) checks the batch, shifts the
+labels over the whole sequence and computes the loss. The language model's hook, `LanguageModelHook`, shards what
+arrives there, the sequence whole and final: `inputs_embeds`, `position_ids` of any leading shape along their last
+dim, and the mask (a mask the outer model built becomes hfcp's predicate or is refused, hfcp/outer_mask.py).
+
+Gradients: each rank back-propagates its slice of the merged sequence into the (replicated) vision tower, so the
+mean over the CP group of a vision parameter's gradient is the single-device one, as for every other parameter.
+Each rank still runs the whole vision tower (its work is not split yet).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from accelerate.hooks import ModelHook
+
+from .lm_hooks import as_kwargs, shard_inputs
+from .outer_mask import resolve_attention_mask
+
+# what the language model of a VLM may receive besides the merged sequence; any other per-token tensor (Qwen3-VL's
+# visual position masks and deepstack features, ...) is a side input hfcp does not split yet, and is refused
+LANGUAGE_MODEL_INPUTS = frozenset({"input_ids", "inputs_embeds", "position_ids", "attention_mask", "use_cache",
+                                   "cache", "past_key_values", "return_dict", "output_attentions",
+                                   "output_hidden_states", "cache_position", "logits_to_keep"})
+
+
+def find_language_model(model) -> torch.nn.Module | None:
+    """The language model a VLM feeds with the merged sequence: `model.model.language_model` or
+    `model.language_model`, whose config is the VLM's text config; None when there is none."""
+    text = model.config.get_text_config()
+    for owner in (getattr(model, "model", None), model):
+        lm = getattr(owner, "language_model", None) if owner is not None else None
+        if isinstance(lm, torch.nn.Module) and getattr(lm, "config", None) is text:
+            return lm
+    return None
+
+
+class LanguageModelHook(ModelHook):
+    """pre_forward of a VLM's language model: the merged (B, L, H) sequence -> this rank's slice."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def pre_forward(self, module, *args, **kwargs):
+        st = self.state
+        layout, st.pending_layout = st.pending_layout, None
+        if layout is None:
+            raise RuntimeError(f"{type(module).__name__} is the language model of a hfcp-patched vision-language model: "
+                               "call the patched outer model, whose hook checks the batch and computes the loss")
+        kw = as_kwargs(module, args, kwargs)
+        embeds = kw.get("inputs_embeds")
+        if kw.get("input_ids") is not None or embeds is None or embeds.dim() != 3:
+            raise ValueError(f"{type(module).__name__} got input_ids / no (batch, seq, hidden) inputs_embeds: hfcp shards a "
+                             "vision-language model's merged sequence, which its outer model passes as inputs_embeds")
+        if embeds.shape[1] != layout.seq_len:
+            raise ValueError(f"the merged sequence has {embeds.shape[1]} tokens but input_ids had {layout.seq_len}: hfcp "
+                             "splits the sequence as input_ids give it (image tokens expanded by the processor)")
+        side = sorted(k for k, v in kw.items() if k not in LANGUAGE_MODEL_INPUTS and v is not None and v is not False)
+        if side:
+            raise ValueError(f"{type(module).__name__} got {side} beside the merged sequence: per-token side inputs of "
+                             "this vision-language model are not split by hfcp yet, so it is refused")
+        outer_masks = resolve_attention_mask(kw)
+        shard_inputs(st, kw, layout, outer_masks)
+        if "use_cache" in inspect.signature(module._old_forward).parameters:
+            kw["use_cache"] = False
+        return (), kw

@@ -1,0 +1,13 @@
+"""Vision-language models whose language model reads the merged token sequence (text embeddings with the image
+features scattered in): hfcp shards at the language model's input (hfcp/vlm_hooks.py). The language model's
+attention modules are read from it and checked like any read-from-model family; masks the outer model builds are
+hfcp's predicate or refused at run time. Each type here is tested against the unpatched model (tests/test_vlm.py)."""
+from hfcp.registry import Patcher, register_patcher
+
+VLM_TYPES = (
+    "llava",      # CLIP / SigLIP tower, projector, any text family (2D positions)
+    "qwen2_vl",   # Qwen2-VL: windowed ViT, 3D mRoPE positions from the rope index over the whole input_ids
+)
+
+for _type in VLM_TYPES:
+    register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True, language_model=True))

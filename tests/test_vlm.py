@@ -1,0 +1,48 @@
+"""Vision-language models under CP (issue 18, first slice): the whole VLM patched, the merged sequence (text
+embeddings with image features scattered in, positions from the rope index over the whole input_ids) sharded at
+its language model's input; loss and every gradient (vision tower included) equal the unpatched model."""
+import pytest
+
+import workers_vlm as W
+
+CASES = ["one_image", "two_images", "left_padding", "text_only"]
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("case", CASES)
+def test_vlm_loss_and_every_gradient_equal_the_unpatched_model(pool2, kind, case):
+    for r in pool2.run(W.compare, kind, case):
+        assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
+        assert r["vision_grad_err"] is None or r["vision_grad_err"] < 1e-4, r
+        assert r["vision_attn"] == "sdpa", r  # the vision tower never runs through hfcp's CP attention
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
+def test_vlm_other_strategies(pool2, strategy):
+    for r in pool2.run(W.compare, "qwen2_vl", "two_images", strategy):
+        assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
+
+
+def test_vlm_at_cp4(pool4):
+    for r in pool4.run(W.compare, "llava", "one_image"):  # the image spans three of the eight zigzag chunks
+        assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
+
+
+def test_vlm_logits_path(pool2):
+    for r in pool2.run(W.compare, "qwen2_vl", "one_image", "ring", None):
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
+
+
+def test_vlm_image_token_mismatch_raises_on_every_rank(pool2):
+    for msg in pool2.run(W.refused, "llava", "too_few_tokens"):
+        assert msg.startswith("ValueError") and "Image features and image tokens do not match" in msg, msg
+
+
+def test_vlm_language_model_called_alone_is_refused(pool2):
+    for msg in pool2.run(W.language_model_called_alone, "llava"):
+        assert "call the patched outer model" in msg, msg
+
+
+def test_vlm_ranks_with_other_images_are_refused(pool2):
+    for msg in pool2.run(W.refused, "llava", "other_image_on_rank_1"):
+        assert "got different batches (pixel_values)" in msg, msg

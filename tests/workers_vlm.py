@@ -1,0 +1,137 @@
+"""Workers for vision-language models under CP (issue 18): tiny random VLMs with images built by hand, the whole
+model patched (the merged sequence sharded at its language model's input) against the unpatched model."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import hfcp
+from hfcp.verify import grad_error
+
+_TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2)
+IMAGE, VIDEO, START = 90, 91, 92  # token ids of the image / video placeholder and the vision start
+
+
+def tiny_vlm(kind: str):
+    """A tiny random VLM in train mode, weights perturbed so that biases and norms matter."""
+    import transformers as T
+
+    if kind == "llava":
+        cfg = T.LlavaConfig(vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4),
+                            text_config=dict(model_type="llama", **_TEXT), image_token_index=IMAGE,
+                            vision_feature_select_strategy="full", vision_feature_layer=-1)
+        cls = T.LlavaForConditionalGeneration
+    else:
+        text = dict(model_type="qwen2_vl_text", **_TEXT,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+        cfg = T.Qwen2VLConfig(vision_config=dict(depth=1, embed_dim=32, num_heads=2, hidden_size=32, patch_size=2,
+                                                 spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+                              text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
+                              vision_start_token_id=START)
+        cls = T.Qwen2VLForConditionalGeneration
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = cls(copy.deepcopy(cfg)).float().train()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def vlm_batch(kind: str, case: str) -> dict:
+    """Rows of 40 tokens. case: "one_image" (row 0 at 5, row 1 straddling the middle, where zigzag cuts), "two_images"
+    (two per row), "left_padding" (one image, row 0 left-padded), "text_only" (no image)."""
+    g = torch.Generator().manual_seed(2)
+    B, L = 2, 40
+    ids = torch.randint(3, 88, (B, L), generator=g)
+    per_image = 16 if kind == "llava" else 4  # siglip 16x16 / 4: 16 patches; qwen2-vl 1x4x4 patches merged 2x2: 4
+    two = [[2, 21], [4, 23]] if kind == "llava" else [[3, 24], [10, 30]]
+    starts = {"one_image": [[5], [18]], "two_images": two, "left_padding": [[12], [4]], "text_only": [[], []],
+              "too_few_tokens": [[5], [18]], "other_image_on_rank_1": [[5], [18]]}[case]
+    for row, at in enumerate(starts):
+        for s in at:
+            ids[row, s:s + per_image] = IMAGE
+            if kind != "llava":
+                ids[row, s - 1] = START
+    n = sum(len(a) for a in starts)
+    if case == "too_few_tokens":  # one placeholder fewer than the image's features: the model's own check raises
+        ids[0, 5] = 7
+    out = {"input_ids": ids}
+    labels = ids.masked_fill(ids == IMAGE, -100)
+    if case == "left_padding":
+        mask = torch.ones_like(ids)
+        mask[0, :6] = 0
+        labels[0, :7] = -100
+        out["attention_mask"] = mask
+    out["labels"] = labels
+    if n:
+        if kind == "llava":
+            out["pixel_values"] = torch.randn(n, 3, 16, 16, generator=g)
+        else:
+            out["pixel_values"] = torch.randn(n * 16, 3 * 2 * 2 * 2, generator=g)
+            out["image_grid_thw"] = torch.tensor([[1, 4, 4]] * n)
+            out["mm_token_type_ids"] = (ids == IMAGE).int()
+    elif kind != "llava":
+        out["mm_token_type_ids"] = torch.zeros_like(ids, dtype=torch.int)
+    return out
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(kind: str, case: str, strategy: str = "ring", loss_chunk="auto") -> dict:
+    ref, model = tiny_vlm(kind), tiny_vlm(kind)
+    batch = vlm_batch(kind, case)
+    want = ref(**batch, use_cache=False).loss
+    want.backward()
+    hfcp.patch(model, strategy=strategy, loss_chunk=loss_chunk, timeout=30)
+    try:
+        got = model(**batch).loss
+        got.backward()
+        vision_attn = model.config.vision_config._attn_implementation
+    finally:
+        hfcp.unpatch(model)
+    grads = _grads(model)
+    for g in grads.values():
+        dist.all_reduce(g)
+        g /= dist.get_world_size()
+    ref_grads = _grads(ref)
+    vision = {n: g for n, g in grads.items() if "visual" in n or "vision" in n}
+    return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
+            "vision_grad_err": grad_error(vision, {n: ref_grads[n] for n in vision}) if vision else None,
+            "same_keys": grads.keys() == ref_grads.keys(), "vision_attn": vision_attn, "loss": want.item()}
+
+
+def refused(kind: str, case: str) -> str:
+    """The error every rank raises for a batch the model cannot take (no hang: check_inputs' collective ran)."""
+    model = tiny_vlm(kind)
+    hfcp.patch(model, timeout=30)
+    try:
+        batch = vlm_batch(kind, case)
+        if case == "other_image_on_rank_1" and dist.get_rank() == 1:
+            batch["pixel_values"] = batch["pixel_values"] + 1
+        model(**batch).loss.backward()
+        return "not refused"
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        hfcp.unpatch(model)
+
+
+def language_model_called_alone(kind: str) -> str:
+    model = tiny_vlm(kind)
+    hfcp.patch(model, timeout=30)
+    try:
+        model.model.language_model(inputs_embeds=torch.randn(1, 8, 32))
+        return "not refused"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        hfcp.unpatch(model)
