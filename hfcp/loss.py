@@ -37,12 +37,12 @@ def global_mean(local_sum: torch.Tensor, denominator, group) -> torch.Tensor:
     return total / denominator
 
 
-def _chunk_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, stats, first_run: list,
+def _chunk_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, stats_out: list | None,
                   transform: LogitTransform) -> torch.Tensor:
     logits = transform(head(hidden))
-    if first_run:  # not again when checkpointing recomputes this chunk in backward
-        first_run.clear()
-        add_token_stats(logits, targets, stats)
+    if stats_out is not None and not stats_out:  # not again when checkpointing recomputes this chunk in backward
+        stats_out.append(torch.zeros(3, dtype=torch.float64, device=logits.device))
+        add_token_stats(logits, targets, stats_out[0])
     return ce_sum(logits, targets)
 
 
@@ -64,7 +64,10 @@ def chunked_ce_sum(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int
     t = targets.reshape(-1).to(hidden.device)
     total = None
     for start in chunk_starts(t, chunk):
-        part = checkpoint(_chunk_ce_sum, h[start : start + chunk], t[start : start + chunk], head, stats, [True],
-                          transform, use_reentrant=False)
+        found = None if stats is None else []
+        part = checkpoint(_chunk_ce_sum, h[start : start + chunk], t[start : start + chunk], head, found, transform,
+                          use_reentrant=False)
+        if found:  # summed here: checkpoint saves its tensor inputs and refuses them changed in place in backward
+            stats += found[0]
         total = part if total is None else total + part
     return total

@@ -93,3 +93,19 @@ def test_chunked_loss_applies_the_models_logit_transform(transform, wrap):
     assert abs(float(loss - ref_loss)) <= 1e-6 * abs(float(ref_loss))
     for g, r in zip(grads, ref_grads):
         assert float((g - r).abs().max()) <= 2e-6 * float(r.abs().max()), (g - r).abs().max()
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["fused", "checkpointed"])
+def test_token_stats_of_a_training_chunked_loss(wrap):
+    """The (3,) statistics of HfcpSFTTrainer's metrics with a head that trains, under backward: the checkpointed path
+    (a PEFT modules_to_save head) once failed in backward, its stats an input of the checkpoint changed in place."""
+    from hfcp.linear_ce import add_token_stats
+
+    head, hidden, targets = _case(True, True, wrap)
+    want = torch.zeros(3, dtype=torch.float64)
+    add_token_stats(head(hidden).detach().reshape(-1, 50), targets.reshape(-1), want)
+    stats = torch.zeros(3, dtype=torch.float64)
+    loss, grads = _run(lambda h, x, t: chunked_ce_sum(x, t, h, 5, stats), head, hidden, targets)
+    ref_loss, ref_grads = _run(lambda h, x, t: chunked_ce_sum(x, t, h, 5), head, hidden, targets)
+    assert torch.allclose(stats, want, rtol=1e-6) and stats[0] == (targets != IGNORE_INDEX).sum(), (stats, want)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))

@@ -40,3 +40,21 @@ def test_sft_packing_cp2_equals_one_process(pool1, pool2):
 def test_sft_dp2_cp2_equals_one_process(pool4, sft_reference):
     for got in pool4.run(W.sft_run, 2, 2):
         assert_same(got, sft_reference)
+
+
+def test_sft_eval_batch_without_targets_counts_as_zero(pool1, pool2, pool4):
+    """SFTTrainer's eval loss is sum / max(targets, 1): a batch without targets counts as 0. A NaN there would be
+    dropped by the Trainer (here: the eval loss doubled). The training loss is not changed (no such batch there)."""
+    no_truncation = {"max_length": None}  # TRL drops rows that truncation leaves without targets
+    ref = pool1.run(W.sft_run, 4, None, no_truncation, True)[0]
+    assert 0 < ref["eval"]["eval_loss"] < 3.0, ref["eval"]  # about half the loss of the rows with targets
+    for got in pool2.run(W.sft_run, 4, None, no_truncation, True) + pool4.run(W.sft_run, 2, 2, no_truncation, True):
+        assert_same(got, ref)
+
+
+def test_sft_lora_with_a_trained_head_cp2_equals_one_process(pool1, pool2):
+    """PEFT modules_to_save=["lm_head"]: the head is no nn.Linear, so hfcp's chunked loss runs it under activation
+    checkpointing, whose saved inputs must not change in place (the token statistics once did: backward failed)."""
+    ref = pool1.run(W.sft_run, 4, None, None, False, True)[0]
+    for got in pool2.run(W.sft_run, 4, None, None, False, True):
+        assert_same(got, ref)

@@ -151,3 +151,24 @@ def test_vision_predictions_are_whole_sequences(pool1, pool2):
 def test_options_conflicting_with_a_patched_model_are_refused(pool2):
     for msg in pool2.run(W.conflicting_options):
         assert msg and "patched already with other settings" in msg and "ulysses" in msg, msg
+
+
+def test_iterable_eval_and_predict_dp2_cp2_give_each_row_once(pool4, pool1):
+    """An IterableDataset whose last batch does not fill both DP groups: accelerate repeats samples from the first
+    batch and does not know how many (it does for map-style data); predictions have each row once and the losses
+    are one process's (which weights an iterable dataset's last batch as a full one in the loss)."""
+    ref = pool1.run(W.iterable_eval_run, 4, None, True, None, False)[0]
+    assert ref["predictions"].shape == (5, W.L, 64) and ref["small_predictions"].shape == (3, W.L, 64)
+    for got in pool4.run(W.iterable_eval_run, 2, 2):
+        for k in ("eval_loss", "test_loss", "small_loss"):
+            assert abs(got[k] - ref[k]) <= 2e-6 * ref[k], (k, got[k], ref[k])
+        for k in ("predictions", "small_predictions"):
+            assert got[k].shape == ref[k].shape and float((got[k] - ref[k]).abs().max()) < 1e-4, k
+        assert torch.equal(got["label_ids"], ref["label_ids"])
+        assert got["refused"] and "dataloader_num_workers=2" in got["refused"], got["refused"]
+
+
+def test_a_stream_of_as_many_shards_as_dp_groups_is_refused_not_hung(pool4):
+    # accelerate would hand whole shards to DP groups: 5 rows in 2 shards timed out (a hang) at dp 2 x cp 2
+    for msg in pool4.run(W.sharded_stream_refused, 2, timeout=120):
+        assert msg and "n_shards=2 over 2 DP groups" in msg, msg

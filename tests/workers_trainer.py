@@ -278,12 +278,33 @@ def prompt_completion(n: int, seed: int):
     return datasets.Dataset.from_list(rows)
 
 
-def sft_run(per_device: int, cp_size=None, overrides=None):
+def tokenized_rows(n: int, seed: int, no_target=()):
+    """Tokenized rows with labels; the rows in `no_target` have every label -100 (TRL counts their loss as 0)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, 60, (int(torch.randint(6, 20, (1,), generator=g)),), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * len(ids) if i in no_target else ids})
+    return datasets.Dataset.from_list(rows)
+
+
+def sft_run(per_device: int, cp_size=None, overrides=None, no_target_eval=False, lora_head=False):
+    """no_target_eval: evaluate on 8 rows, the last 4 (one whole batch of 1 process) without targets.
+    lora_head: LoRA on q/v with the output head trained in full (PEFT modules_to_save: a head that is no nn.Linear,
+    so hfcp's chunked loss calls it under activation checkpointing)."""
     from trl import SFTConfig
 
     from hfcp.integrations import HfcpSFTTrainer
 
     _reset_accelerate()
+    peft = {}
+    if lora_head:
+        from peft import LoraConfig
+
+        peft["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                         modules_to_save=["lm_head"], init_lora_weights=False)
     with tempfile.TemporaryDirectory() as out:
         kw = dict(output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
                   max_steps=4, learning_rate=3e-3, warmup_steps=1, logging_steps=1, report_to=[], save_strategy="no",
@@ -291,8 +312,10 @@ def sft_run(per_device: int, cp_size=None, overrides=None):
                   include_num_input_tokens_seen="non_padding")  # padding differs per DP group
         kw.update(overrides or {})
         trainer = HfcpSFTTrainer(model=tiny_model("llama"), args=SFTConfig(**kw), processing_class=word_tokenizer(),
-                                 train_dataset=prompt_completion(24, 0), eval_dataset=prompt_completion(10, 1),
-                                 cp_size=cp_size)
+                                 train_dataset=prompt_completion(24, 0),
+                                 eval_dataset=tokenized_rows(8, 1, range(4, 8)) if no_target_eval
+                                 else prompt_completion(10, 1),
+                                 cp_size=cp_size, **peft)
         trainer.train()
         metrics = trainer.evaluate()
         pred = trainer.predict(trainer.eval_dataset["eval"] if isinstance(trainer.eval_dataset, dict)
@@ -358,6 +381,49 @@ def conflicting_options():
     with tempfile.TemporaryDirectory() as out:
         try:
             HfcpTrainer(model=model, args=_args(out, 2), strategy="ulysses")
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def iterable_eval_run(per_device: int, cp_size=None, iterable=True, overrides=None, workers=True):
+    """evaluate and predict (untrained model) on datasets whose last batch does not fill every DP group; then
+    (workers) predict with 2 DataLoader workers, refused for an IterableDataset over DP groups: the error."""
+    from hfcp.integrations import HfcpTrainer
+
+    _reset_accelerate()
+    data = IterableRows if iterable else Rows
+    with tempfile.TemporaryDirectory() as out:
+        trainer = HfcpTrainer(model=tiny_model("llama"), args=_args(out, per_device, **(overrides or {})),
+                              cp_size=cp_size)
+        metrics = trainer.evaluate(data(10, 1))
+        pred = trainer.predict(data(5, 2))
+        small = trainer.predict(data(3, 3))  # fewer rows than one batch of all DP groups
+        trainer.args.dataloader_num_workers, refused = 2, None
+        try:
+            if workers:
+                trainer.predict(data(5, 2))
+        except ValueError as e:
+            refused = str(e)
+    return {"eval_loss": metrics["eval_loss"], "test_loss": pred.metrics["test_loss"],
+            "predictions": torch.as_tensor(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids),
+            "small_loss": small.metrics["test_loss"], "small_predictions": torch.as_tensor(small.predictions),
+            "refused": refused}
+
+
+def sharded_stream_refused(shards: int) -> str | None:
+    """predict on a datasets.IterableDataset of `shards` shards at dp 2 x cp 2: the error every rank raises."""
+    import datasets
+
+    from hfcp.integrations import HfcpTrainer
+
+    _reset_accelerate()
+    stream = datasets.Dataset.from_list([{k: v.tolist() for k, v in r.items()} for r in Rows(5, 2).rows])
+    stream = stream.to_iterable_dataset(num_shards=shards).with_format("torch")
+    with tempfile.TemporaryDirectory() as out:
+        trainer = HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2), cp_size=2)
+        try:
+            trainer.predict(stream)
         except ValueError as e:
             return str(e)
     return None

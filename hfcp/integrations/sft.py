@@ -52,9 +52,13 @@ class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
             return super(HfcpTrainerMixin, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
         mode = "train" if self.model.training else "eval"
         inputs = {**inputs, "use_cache": False}
-        if num_items_in_batch is None and self.args.average_tokens_across_devices:
-            # SFTTrainer evaluates without a count; with one the eval loss is the token mean over all DP groups
+        if num_items_in_batch is None and mode == "eval":
+            # SFTTrainer evaluates without a count, as sum / max(targets, 1): a batch without targets counts as 0,
+            # not NaN (which the Trainer would drop). The count is over all DP groups when tokens are averaged
+            # across devices (the eval loss is then their token mean), else over this CP group's batch
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+            if num_items_in_batch is not None:
+                num_items_in_batch = torch.as_tensor(num_items_in_batch).clamp(min=1)
         loss, outputs = HfcpTrainerMixin.compute_loss(self, model, inputs, True, num_items_in_batch)
         self._log_token_metrics(mode, inputs)
         return (loss, outputs) if return_outputs else loss

@@ -8,15 +8,17 @@ What changes against the parent, and why:
   the gradients over a CP group is already the gradient of that group's loss (DESIGN.md "Gradients");
 - counters: tokens seen and FLOPs count each DP group once, the total batch size is per DP group;
 - evaluate / predict: sequence outputs are gathered whole (original order and length), and the gathered
-  arrays keep one copy per DP group, so they equal those of one process.
+  arrays keep one copy per DP group, without the samples repeated to fill the last batch (map-style and iterable
+  datasets), so they equal those of one process.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing
 
 import torch
-from accelerate.data_loader import prepare_data_loader
+from accelerate.data_loader import IterableDatasetShard, prepare_data_loader
 from accelerate.utils import recursively_apply
 from transformers import Trainer
 
@@ -29,6 +31,31 @@ log = logging.getLogger("hfcp")
 UNSET = object()  # an hfcp.patch option the caller did not give (None is a value: cp_size=None, loss_chunk=None)
 
 
+class CountedIterable(torch.utils.data.IterableDataset):
+    """An iterable dataset that counts the samples it yields, in shared memory (a DataLoader worker writes it too).
+
+    Over several DP groups, accelerate's IterableDatasetShard fills the last batch with samples from the first, and
+    (unlike for map-style data) accelerate does not know how many: the count says which are the dataset's own."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.count = multiprocessing.Value("q", -1)  # -1: not iterated to its end yet
+
+    def __iter__(self):
+        self.count.value = n = -1
+        for n, sample in enumerate(self.dataset):
+            yield sample
+        self.count.value = n + 1
+
+    def __len__(self):
+        return len(self.dataset)  # TypeError when the dataset has no length, as before
+
+    def __getattr__(self, name):  # set_epoch, generator, ...: the dataset's, as IterableDatasetShard looks for them
+        if name in ("dataset", "count") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
 class HfcpTrainerMixin:
     """The overrides shared by HfcpTrainer and HfcpSFTTrainer; put it before the Trainer class in the bases."""
 
@@ -39,6 +66,7 @@ class HfcpTrainerMixin:
         an option given that differs from them is refused, as hfcp.patch does.
         """
         self._hfcp_refuse_unsupported()
+        self._hfcp_step_loss_next = False  # set by prediction_step for the gather of its loss that follows
         given = {k: v for k, v in patch_options.items() if v is not UNSET}
         state = cp_state(self.model)
         if state is None:
@@ -103,6 +131,13 @@ class HfcpTrainerMixin:
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return data_loader
         dp_rank, dp_size = data_parallel_rank_and_size(self.model)
+        shards = getattr(data_loader.dataset, "n_shards", None)
+        if dp_size > 1 and isinstance(shards, int) and shards >= dp_size:  # decided alike on every rank
+            raise ValueError(
+                f"a {type(data_loader.dataset).__name__} with n_shards={shards} over {dp_size} DP groups: accelerate would "
+                "give each DP group whole shards, so the groups could get different numbers of batches (one would "
+                "wait for the others at its next collective) and other batches than one process; pass a map-style "
+                f"dataset, or an iterable one with fewer than {dp_size} shards")
         seeding = data_loader.worker_init_fn
         if isinstance(seeding, functools.partial) and "rank" in seeding.keywords:  # the Trainer's seed_worker:
             data_loader.worker_init_fn = functools.partial(seeding, rank=dp_rank)  # same worker seeds in a CP group
@@ -114,6 +149,9 @@ class HfcpTrainerMixin:
             non_blocking=acc.non_blocking, use_stateful_dataloader=acc.use_stateful_dataloader,
         )
         acc._dataloaders.append(prepared)  # as Accelerator.prepare_data_loader does (state saving)
+        shard = getattr(prepared, "dataset", None)
+        if isinstance(shard, IterableDatasetShard) and not shard.drop_last:  # it may repeat samples at the end
+            shard.dataset = CountedIterable(shard.dataset)
         return prepared
 
     @property
@@ -170,6 +208,7 @@ class HfcpTrainerMixin:
 
         call = model if prediction_loss_only else whole_sequences
         state = cp_state(model)
+        self._hfcp_step_loss_next = False
         setting = state.loss_chunk
         if prediction_loss_only and setting == "auto":  # no logits wanted: the chunked loss, as in training, so
             state.loss_chunk = DEFAULT_LOSS_CHUNK  # evaluation never needs more memory than a training step
@@ -179,17 +218,33 @@ class HfcpTrainerMixin:
             state.loss_chunk = setting
         if loss is not None and self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs:
             loss = self.accelerator.reduce(loss, "sum") / self.args.world_size  # dp * S_d / N -> sum_d S_d / N
+            self._hfcp_step_loss_next = True  # the evaluation loop's next gather is of this loss
         return loss, logits, labels
+
+    def _counted_shard(self):
+        """The active data loader's IterableDatasetShard when hfcp counts its samples (CountedIterable), else None."""
+        gs = self.accelerator.gradient_state
+        shard = getattr(gs.active_dataloader, "dataset", None) if gs.in_dataloader else None
+        return shard if isinstance(getattr(shard, "dataset", None), CountedIterable) else None
+
+    def _remainder(self) -> int:
+        """At the end of a data loader: how many samples of its last batch (of all DP groups) are the dataset's
+        own, the others repeat samples to give every DP group a full batch; 0 or -1: none is repeated."""
+        shard = self._counted_shard()
+        if shard is None:  # map-style data: accelerate knows it
+            return self.accelerator.gradient_state.remainder
+        n = shard.dataset.count.value
+        return n % (shard.batch_size * shard.num_processes) if n >= 0 else -1
 
     def _without_repeated_targets(self, inputs):
         """In the last batch, accelerate repeats samples so that every DP group gets a full batch; they are
         dropped from the gathered arrays, and here from the loss (labels -100), as one process never sees them."""
-        gs = self.accelerator.gradient_state
         targets = {k: inputs[k] for k in ("labels", "shift_labels") if inputs.get(k) is not None}
-        if not gs.end_of_dataloader or gs.remainder <= 0 or not targets:
+        if not self.accelerator.gradient_state.end_of_dataloader or not targets:
             return inputs
+        remainder = self._remainder()
         b = next(iter(targets.values())).shape[0]
-        if gs.remainder % b == 0 and gs.remainder // b >= data_parallel_rank_and_size(self.model)[1]:
+        if remainder <= 0 or (remainder % b == 0 and remainder // b >= data_parallel_rank_and_size(self.model)[1]):
             return inputs  # no DP group holds a repeated sample
         if any(t.is_floating_point() for t in targets.values()):  # decided alike on every rank
             raise ValueError(
@@ -197,16 +252,23 @@ class HfcpTrainerMixin:
                 f"ignored; make the dataset size a multiple of {b} x the number of DP groups, or set "
                 "dataloader_drop_last=True")
         dp_rank, _ = data_parallel_rank_and_size(self.model)
-        repeated = torch.arange(dp_rank * b, (dp_rank + 1) * b) >= gs.remainder
+        repeated = torch.arange(dp_rank * b, (dp_rank + 1) * b) >= remainder
         if not bool(repeated.any()):
             return inputs
         masked = {k: t.masked_fill(repeated.to(t.device).view(-1, *[1] * (t.dim() - 1)), -100) for k, t in targets.items()}
         return {**inputs, **masked}
 
-    def evaluation_loop(self, *args, **kwargs):
+    def evaluation_loop(self, dataloader, *args, **kwargs):
         if cp_state(self.model) is not None:
+            shard = getattr(dataloader, "dataset", None)
+            if isinstance(getattr(shard, "dataset", None), CountedIterable) and dataloader.num_workers > 1:
+                raise ValueError(
+                    f"dataloader_num_workers={dataloader.num_workers} with an IterableDataset over "
+                    f"{shard.num_processes} DP groups: each worker would fill its own last batch with repeated "
+                    "samples, which hfcp cannot tell from the dataset's; evaluate with dataloader_num_workers <= 1, "
+                    "or on a map-style dataset")
             self.gather_function = self._gather_once_per_dp_group  # the parent resets it at the end
-        return super().evaluation_loop(*args, **kwargs)
+        return super().evaluation_loop(dataloader, *args, **kwargs)
 
     def _gather_once_per_dp_group(self, data):
         """accelerate's gather_for_metrics, keeping one copy per CP group (every rank of it holds the same)."""
@@ -218,8 +280,16 @@ class HfcpTrainerMixin:
             return t.reshape(world, -1, *t.shape[1:])[::cp].reshape(-1, *t.shape[1:])
 
         data = recursively_apply(first_of_each_group, acc.gather(data))
-        remainder = acc.gradient_state.remainder
-        if acc.gradient_state.end_of_dataloader and remainder > 0:  # drop the samples repeated to even batches
+        step_loss, self._hfcp_step_loss_next = self._hfcp_step_loss_next, False
+        if not acc.gradient_state.end_of_dataloader:
+            return data
+        if step_loss and self._counted_shard() is not None:
+            # the loss of the whole last step (repeated samples left out), of an iterable dataset: one process
+            # does not know how many samples its last batch holds and weights that loss as a full batch, so do not
+            # truncate it (map-style data: one process truncates it as below)
+            return data
+        remainder = self._remainder()
+        if remainder > 0:  # drop the samples repeated to even batches
             data = recursively_apply(lambda t: t[:remainder], data)
         return data
 
