@@ -6,7 +6,8 @@ from hfcp.registry import Patcher, register_patcher
 
 VLM_TYPES = (
     "llava",      # CLIP / SigLIP tower, projector, any text family (2D positions)
-    "qwen2_vl",   # Qwen2-VL: windowed ViT, 3D mRoPE positions from the rope index over the whole input_ids
+    "qwen2_vl",   # Qwen2-VL: 3D mRoPE positions from the rope index over the whole input_ids and grids
+    "qwen2_5_vl", # Qwen2.5-VL: the same with a windowed vision tower
 )
 
 for _type in VLM_TYPES:

@@ -8,8 +8,8 @@ import workers_vlm as W
 CASES = ["one_image", "two_images", "left_padding", "text_only"]
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kind, case", [(k, c) for k in ("llava", "qwen2_vl", "qwen2_5_vl") for c in CASES]
+                         + [("qwen2_vl", "video"), ("qwen2_5_vl", "video")])
 def test_vlm_loss_and_every_gradient_equal_the_unpatched_model(pool2, kind, case):
     for r in pool2.run(W.compare, kind, case):
         assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r

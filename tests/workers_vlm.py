@@ -26,7 +26,7 @@ def tiny_vlm(kind: str):
                             text_config=dict(model_type="llama", **_TEXT), image_token_index=IMAGE,
                             vision_feature_select_strategy="full", vision_feature_layer=-1)
         cls = T.LlavaForConditionalGeneration
-    else:
+    elif kind == "qwen2_vl":
         text = dict(model_type="qwen2_vl_text", **_TEXT,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
         cfg = T.Qwen2VLConfig(vision_config=dict(depth=1, embed_dim=32, num_heads=2, hidden_size=32, patch_size=2,
@@ -34,6 +34,16 @@ def tiny_vlm(kind: str):
                               text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
                               vision_start_token_id=START)
         cls = T.Qwen2VLForConditionalGeneration
+    else:  # Qwen2.5-VL: windowed vision attention (a 2 x 2 window of merged patches), one full-attention block
+        text = dict(model_type="qwen2_5_vl_text", **_TEXT,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+        cfg = T.Qwen2_5_VLConfig(vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64,
+                                                    num_heads=2, patch_size=2, spatial_merge_size=2,
+                                                    temporal_patch_size=2, window_size=4, fullatt_block_indexes=[1],
+                                                    in_channels=3),
+                                 text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
+                                 vision_start_token_id=START)
+        cls = T.Qwen2_5_VLForConditionalGeneration
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = cls(copy.deepcopy(cfg)).float().train()
@@ -46,11 +56,14 @@ def tiny_vlm(kind: str):
 
 def vlm_batch(kind: str, case: str) -> dict:
     """Rows of 40 tokens. case: "one_image" (row 0 at 5, row 1 straddling the middle, where zigzag cuts), "two_images"
-    (two per row), "left_padding" (one image, row 0 left-padded), "text_only" (no image)."""
+    (two per row), "left_padding" (one image, row 0 left-padded), "text_only" (no image), "video" (Qwen-VL: a video of
+    4 frames, 2 temporal patches of 4 x 4, 8 merged tokens, per row, beside an image in row 0)."""
     g = torch.Generator().manual_seed(2)
     B, L = 2, 40
     ids = torch.randint(3, 88, (B, L), generator=g)
     per_image = 16 if kind == "llava" else 4  # siglip 16x16 / 4: 16 patches; qwen2-vl 1x4x4 patches merged 2x2: 4
+    if case == "video":
+        return _video_batch(ids)
     two = [[2, 21], [4, 23]] if kind == "llava" else [[3, 24], [10, 30]]
     starts = {"one_image": [[5], [18]], "two_images": two, "left_padding": [[12], [4]], "text_only": [[], []],
               "too_few_tokens": [[5], [18]], "other_image_on_rank_1": [[5], [18]]}[case]
@@ -80,6 +93,18 @@ def vlm_batch(kind: str, case: str) -> dict:
     elif kind != "llava":
         out["mm_token_type_ids"] = torch.zeros_like(ids, dtype=torch.int)
     return out
+
+
+def _video_batch(ids) -> dict:
+    g = torch.Generator().manual_seed(3)
+    ids[0, 4:8], ids[0, 3] = IMAGE, START
+    ids[0, 20:28], ids[0, 19] = VIDEO, START
+    ids[1, 9:17], ids[1, 8] = VIDEO, START
+    types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+    return {"input_ids": ids, "labels": ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100),
+            "pixel_values": torch.randn(16, 24, generator=g), "image_grid_thw": torch.tensor([[1, 4, 4]]),
+            "pixel_values_videos": torch.randn(2 * 32, 24, generator=g), "video_grid_thw": torch.tensor([[2, 4, 4]] * 2),
+            "mm_token_type_ids": types}
 
 
 def _grads(model):
