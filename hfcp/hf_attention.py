@@ -38,7 +38,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             "is a checkpointed layer recomputed after a forward of another sequence length (run backward first)?"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    check_layer_form(module, step.outer_masks, causal, sliding_window)
+    check_layer_form(module, step.outer_masks, causal, sliding_window, attention_chunk(module))
     spec = MaskSpec(bool(causal), sliding_window, float(softcap) if softcap else None, attention_chunk(module))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = same_dtype(query, key, value, type(module).__name__)

@@ -247,7 +247,7 @@ class ShardSequenceHook(ModelHook):
         if "use_cache" in inspect.signature(module._old_forward).parameters:
             kw["use_cache"] = False
         layout = Layout(x.shape[1], st.mesh.cp_size, zigzag=st.patcher.causal)
-        check_length_limit(st.patcher, module.config, layout)
+        check_length_limit(st.patcher, module.config.get_text_config(), layout)
         st.attention_calls = set()
         if self.shards:
             shard_inputs(st, kw, layout, outer_masks)
@@ -271,16 +271,17 @@ class ShardSequenceHook(ModelHook):
         """For this forward, the output head computes the loss sum chunk by chunk instead of the logits."""
         st = self.state
         head = module.get_output_embeddings()
-        original = head.forward
         targets, chunk = st.targets, self._chunk
 
         def loss_instead_of_logits(hidden, *args, **kwargs):
-            head.forward = original  # one call only, and chunks call the real head
+            self.restore_pending_head()  # one call only, and chunks call the real head
             st.loss_sum = chunked_ce_sum(hidden, targets, head, chunk, st.token_stats, st.logit_transform)
             return hidden.new_zeros(*hidden.shape[:-1], 0)  # (B, L/cp, 0): no logits materialised
 
+        own = head.__dict__.get("forward")  # an instance forward of its own (another hook), kept; else the class's
         head.forward = loss_instead_of_logits
-        self._restore_head = lambda: setattr(head, "forward", original)
+        self._restore_head = (lambda: setattr(head, "forward", own)) if own is not None else \
+            (lambda: head.__dict__.pop("forward", None))
 
     def restore_pending_head(self):
         if self._restore_head is not None:
@@ -352,6 +353,11 @@ def check_attention_ran(state, module) -> None:
         )
 
 
+# output fields that are local but not (batch, seq, ...) sequences, or not local at all (a VLM's image features)
+NOT_SEQUENCE_OUTPUTS = frozenset({"router_logits", "image_hidden_states", "video_hidden_states", "image_outputs",
+                                  "video_outputs"})
+
+
 def stamp_sequence_outputs(output, step) -> frozenset:
     """Tag the local sequence tensors of an output with their step, so that gather_sequence can refuse a tensor
     of an earlier forward (its layout may differ even when its local length does not). Returns the names of the
@@ -359,7 +365,7 @@ def stamp_sequence_outputs(output, step) -> frozenset:
     items = enumerate(output) if isinstance(output, tuple) else output.items()
     names = set()
     for name, v in items:
-        if name == "router_logits":
+        if name in NOT_SEQUENCE_OUTPUTS:
             continue
         for t in (v if isinstance(v, tuple) else (v,)):
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == step.layout.local_len:

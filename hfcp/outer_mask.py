@@ -109,12 +109,16 @@ def resolve_attention_mask(kw: dict) -> dict | None:
     return {None: mask} if isinstance(mask, OuterMask) else None
 
 
-def check_layer_form(module, forms: dict | None, causal: bool, window) -> None:
+def check_layer_form(module, forms: dict | None, causal: bool, window, chunk: int | None = None) -> None:
     """Raises ValueError when the mask an outer model built for this attention layer is not the one hfcp computes
-    for it (causality and window from the module's own arguments): transformers would apply the mask alone."""
+    for it (causality, window and attention chunk from the module and its config): transformers would apply the
+    mask alone."""
     if not forms:
         return
     name = type(module).__name__
+    if chunk is not None:  # hfcp applies the layer's chunks from the config; no outer form carries them
+        raise ValueError(f"{name} attends in chunks of {chunk} (chunked attention) but got a mask built outside the "
+                         f"patched model, which transformers would apply alone; {_TODO_OUTER}")
     if None in forms:
         outer, key = forms[None], None
     else:

@@ -17,6 +17,7 @@ from .introspect import (interface_attention_classes, logit_transform, not_throu
                          router_aux_loss)
 from . import rope, vision_hooks
 from .lm_hooks import ShardSequenceHook
+from . import vlm_hooks
 from .vlm_hooks import LanguageModelHook, find_language_model
 from .linear_ce import IDENTITY, LogitTransform
 from .layout import StepBatch
@@ -46,6 +47,7 @@ class CPState:
     step: StepBatch | None = None
     pending_layout: object = None  # a VLM's layout between its outer model's hook and its language model's hook
     attn_owner: object = None  # the model whose attn_implementation patch set (a VLM: its language model only)
+    outer_forward: object = None  # a VLM: restores the outer model's wrapped forward (vlm_hooks.clear_layout_after)
     targets: torch.Tensor | None = None
     denominator: object = None
     loss_sum: torch.Tensor | None = None
@@ -98,22 +100,23 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
         UnsupportedModelError: no record, a known refusal, or a model that needs what hfcp does not implement.
     """
     patcher = REGISTRY.lookup(inner.config.model_type)
-    if patcher.skip_model_checks:
-        log.warning("hfcp: the record for model_type=%r skips hfcp's model checks (skip_model_checks=True): a sequence "
-                    "mixer other than its attention classes would see only its rank's shard, silently",
-                    patcher.model_type)
-        return patcher
     target = inner
     if patcher.language_model:  # a VLM: its language model mixes the merged sequence (the vision tower runs whole)
         target = find_language_model(inner)
         if target is None:
             raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}): hfcp found no "
                                         "language_model whose config is the model's text config")
+        patcher = with_text_record(patcher, target)
     if patcher.read_from_model:
         _warn_if_verified_elsewhere(patcher)
         classes = interface_attention_classes(target)
     else:
         classes = patcher.attention_classes
+    if patcher.skip_model_checks:
+        log.warning("hfcp: the record for model_type=%r skips hfcp's model checks (skip_model_checks=True): a sequence "
+                    "mixer other than its attention classes would see only its rank's shard, silently",
+                    patcher.model_type)
+        return dataclasses.replace(patcher, attention_classes=classes, read_from_model=False)
     reason = None if classes else ("none of its modules computes attention through transformers' AttentionInterface "
                                    "(its sequence mixing happens elsewhere)")
     reason = reason or not_through_interface(target, classes) or other_mixers(target, classes)
@@ -123,6 +126,14 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
         raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}) is not "
                                     f"supported by hfcp: {reason}{how}")
     return dataclasses.replace(patcher, attention_classes=classes, read_from_model=False)
+
+
+def with_text_record(patcher: Patcher, language_model) -> Patcher:
+    """A VLM record with its language model's family knowledge: the text model_type must have a record of its own
+    (REGISTRY.lookup raises for an unknown or refused one), whose length limit and position rule apply."""
+    text = REGISTRY.lookup(language_model.config.model_type)
+    return dataclasses.replace(patcher, max_seq_len=text.max_seq_len, max_seq_len_reason=text.max_seq_len_reason,
+                               positions_from_mask=text.positions_from_mask, causal=text.causal)
 
 
 def _warn_if_verified_elsewhere(patcher: Patcher) -> None:
@@ -247,6 +258,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         state.hooks = [(inner, ShardSequenceHook(state, shards=False)), (owner, LanguageModelHook(state))]
         for module, hook in state.hooks:
             add_hook_to_module(module, hook, append=True)
+        state.outer_forward = vlm_hooks.clear_layout_after(inner, state)
     else:
         state.hooks = [(inner, ShardSequenceHook(state))]
         add_hook_to_module(inner, state.hooks[0][1], append=True)
@@ -256,7 +268,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             else:
                 state.hooks.append((inner.base_model, RouterStatsHook(state)))
                 add_hook_to_module(inner.base_model, state.hooks[-1][1], append=True)
-        state.rope_restores = rope.attach(rope.dynamic_rope_modules(inner), state)
+    if embeddings is None:  # the language model's rotary modules (a VLM's vision tower is not sharded)
+        state.rope_restores = rope.attach(rope.dynamic_rope_modules(owner), state)
     log.info("hfcp: %s patched: strategy=%s cp=%d (dp=%d), %d attention modules",
              type(inner).__name__, strategy, mesh.cp_size, mesh.dp_size, len(modules))
     return model
@@ -268,6 +281,8 @@ def unpatch(model):
     state = getattr(inner, "_hfcp_state", None)
     if state is None:
         return model
+    if state.outer_forward is not None:
+        state.outer_forward()
     for module, ours in state.hooks:
         if hasattr(ours, "restore_pending_head"):  # a chunked forward that raised may have left the head swapped
             ours.restore_pending_head()

@@ -48,7 +48,8 @@ def attach(modules: list[torch.nn.Module], state) -> list:
                 raise RuntimeError(f"{type(_module).__name__} (rope_type={_module.rope_type!r}) ran outside a forward "
                                    "of the patched model; its frequencies depend on the whole sequence")
             with torch.no_grad():  # the update only: one position, its cos / sin discarded
-                _original(x, step.max_position.to(position_ids.device).reshape(1, 1), *args, **kwargs)
+                largest = step.max_position.to(position_ids.device).reshape((1,) * position_ids.dim())
+                _original(x, largest, *args, **kwargs)  # (1, 1), or (1, 1, 1) for mRoPE's (3, B, L) positions
             saved = _module.rope_type
             _module.rope_type = _neutral(saved)  # the decorator skips its update for a non-dynamic type
             try:

@@ -13,6 +13,7 @@ Each rank still runs the whole vision tower (its work is not split yet).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -68,3 +69,23 @@ class LanguageModelHook(ModelHook):
         if "use_cache" in inspect.signature(module._old_forward).parameters:
             kw["use_cache"] = False
         return (), kw
+
+
+def clear_layout_after(outer, state):
+    """Wrap the outer model's own forward (the one accelerate's hook calls) so that the layout its hook leaves for
+    the language model is cleared when the forward ends, also when it raises before reaching the language model:
+    a language model called alone afterwards is refused, never run on a stale layout. Returns the undo."""
+    original = outer._old_forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            state.pending_layout = None
+
+    outer._old_forward = forward
+
+    def restore():
+        outer._old_forward = original
+    return restore

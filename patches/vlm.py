@@ -12,3 +12,8 @@ VLM_TYPES = (
 
 for _type in VLM_TYPES:
     register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True, language_model=True))
+
+# the language models of the Qwen-VL types (a VLM's record takes its text record's family knowledge: there is
+# none to add for these); exact as part of their VLM, tested there
+for _type in ("qwen2_vl_text", "qwen2_5_vl_text"):
+    register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True))

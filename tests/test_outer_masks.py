@@ -37,3 +37,8 @@ def test_outer_mask_hfcp_cannot_reproduce_is_refused_on_every_rank(pool2, kind, 
 def test_prepared_masks_are_refused_on_every_rank(pool2, kind, message):
     for msg in pool2.run(W.prepared_mask, kind):
         assert message in msg, msg
+
+
+def test_an_outer_mask_for_a_chunked_attention_layer_is_refused(pool2):
+    for msg in pool2.run(W.chunked_layer_outer_mask):
+        assert "attends in chunks of" in msg, msg

@@ -38,9 +38,23 @@ def test_vlm_image_token_mismatch_raises_on_every_rank(pool2):
         assert msg.startswith("ValueError") and "Image features and image tokens do not match" in msg, msg
 
 
-def test_vlm_language_model_called_alone_is_refused(pool2):
-    for msg in pool2.run(W.language_model_called_alone, "llava"):
+@pytest.mark.parametrize("after_failed_forward", [False, True])
+def test_vlm_language_model_called_alone_is_refused(pool2, after_failed_forward):
+    # after an outer forward that raised before its language model, no layout is left behind to run on
+    for msg in pool2.run(W.language_model_called_alone, "llava", after_failed_forward):
         assert "call the patched outer model" in msg, msg
+
+
+def test_vlm_text_model_with_dynamic_rope(pool2):
+    # 40 tokens against a context of 32: the language model's rotary follows the whole sequence's largest position
+    for r in pool2.run(W.compare, "llava", "one_image", "ring", "auto", "dynamic_rope"):
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
+
+
+def test_vlm_takes_its_text_family_knowledge(pool2):
+    # llama4_text's attention-temperature limit (floor_scale 4) applies inside a VLM as it does alone
+    for msg in pool2.run(W.refused, "llava", "one_image", "llama4_temperature"):
+        assert "attn_temperature_tuning" in msg, msg
 
 
 def test_vlm_ranks_with_other_images_are_refused(pool2):

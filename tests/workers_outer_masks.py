@@ -101,3 +101,26 @@ def prepared_mask(kind: str) -> str:
         return str(e)
     finally:
         hfcp.unpatch(model)
+
+
+def chunked_layer_outer_mask() -> str:
+    """A causal mask built outside a patched llama4_text (chunked attention on every layer): refused."""
+    from transformers.masking_utils import create_causal_mask
+
+    from hfcp.tiny import tiny_model
+
+    model = tiny_model("llama4_text")
+    model.config.output_router_logits = False
+    hfcp.patch(model, timeout=20)
+    ids = torch.randint(3, 60, (1, 16), generator=torch.Generator().manual_seed(0))
+    padding = torch.ones(1, 16, dtype=torch.long)
+    padding[0, :2] = 0
+    mask = create_causal_mask(config=model.config, inputs_embeds=model.get_input_embeddings()(ids),
+                              attention_mask=padding, cache=None)
+    try:
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        return "not refused"
+    except ValueError as e:
+        return str(e)
+    finally:
+        hfcp.unpatch(model)

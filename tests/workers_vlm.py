@@ -16,14 +16,25 @@ _TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_lay
 IMAGE, VIDEO, START = 90, 91, 92  # token ids of the image / video placeholder and the vision start
 
 
-def tiny_vlm(kind: str):
-    """A tiny random VLM in train mode, weights perturbed so that biases and norms matter."""
+TEXT_VARIANTS = {  # llava's text config: a family with knowledge of its own
+    "dynamic_rope": dict(model_type="llama", max_position_embeddings=32,
+                         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
+    "llama4_temperature": dict(model_type="llama4_text", no_rope_layers=[0, 1], floor_scale=4,
+                               attn_temperature_tuning=True, intermediate_size_mlp=64, num_local_experts=2,
+                               interleave_moe_layer_step=2, attention_chunk_size=None),
+}
+
+
+def tiny_vlm(kind: str, text: str | None = None):
+    """A tiny random VLM in train mode, weights perturbed so that biases and norms matter; `text` names a variant
+    of llava's text config (TEXT_VARIANTS)."""
     import transformers as T
 
     if kind == "llava":
+        text_config = {**dict(model_type="llama", **_TEXT), **TEXT_VARIANTS.get(text, {})}
         cfg = T.LlavaConfig(vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
                                                num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4),
-                            text_config=dict(model_type="llama", **_TEXT), image_token_index=IMAGE,
+                            text_config=text_config, image_token_index=IMAGE,
                             vision_feature_select_strategy="full", vision_feature_layer=-1)
         cls = T.LlavaForConditionalGeneration
     elif kind == "qwen2_vl":
@@ -111,8 +122,8 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def compare(kind: str, case: str, strategy: str = "ring", loss_chunk="auto") -> dict:
-    ref, model = tiny_vlm(kind), tiny_vlm(kind)
+def compare(kind: str, case: str, strategy: str = "ring", loss_chunk="auto", text: str | None = None) -> dict:
+    ref, model = tiny_vlm(kind, text), tiny_vlm(kind, text)
     batch = vlm_batch(kind, case)
     want = ref(**batch, use_cache=False).loss
     want.backward()
@@ -134,9 +145,9 @@ def compare(kind: str, case: str, strategy: str = "ring", loss_chunk="auto") -> 
             "same_keys": grads.keys() == ref_grads.keys(), "vision_attn": vision_attn, "loss": want.item()}
 
 
-def refused(kind: str, case: str) -> str:
+def refused(kind: str, case: str, text: str | None = None) -> str:
     """The error every rank raises for a batch the model cannot take (no hang: check_inputs' collective ran)."""
-    model = tiny_vlm(kind)
+    model = tiny_vlm(kind, text)
     hfcp.patch(model, timeout=30)
     try:
         batch = vlm_batch(kind, case)
@@ -150,9 +161,14 @@ def refused(kind: str, case: str) -> str:
         hfcp.unpatch(model)
 
 
-def language_model_called_alone(kind: str) -> str:
+def language_model_called_alone(kind: str, after_failed_forward: bool = False) -> str:
     model = tiny_vlm(kind)
     hfcp.patch(model, timeout=30)
+    if after_failed_forward:  # the outer forward raises before it reaches the language model
+        try:
+            model(**vlm_batch(kind, "too_few_tokens"))
+        except ValueError:
+            pass
     try:
         model.model.language_model(inputs_embeds=torch.randn(1, 8, 32))
         return "not refused"
