@@ -30,13 +30,14 @@ LANGUAGE_MODEL_INPUTS = frozenset({"input_ids", "inputs_embeds", "position_ids",
 
 
 def find_language_model(model) -> torch.nn.Module | None:
-    """The language model a VLM feeds with the merged sequence: `model.model.language_model` or
-    `model.language_model`, whose config is the VLM's text config; None when there is none."""
+    """The language model a VLM feeds with the merged sequence: `language_model` (or Idefics' `text_model`) of
+    `model.model` or of `model`, whose config is the VLM's text config; None when there is none."""
     text = model.config.get_text_config()
     for owner in (getattr(model, "model", None), model):
-        lm = getattr(owner, "language_model", None) if owner is not None else None
-        if isinstance(lm, torch.nn.Module) and getattr(lm, "config", None) is text:
-            return lm
+        for name in ("language_model", "text_model"):
+            lm = getattr(owner, name, None) if owner is not None else None
+            if isinstance(lm, torch.nn.Module) and getattr(lm, "config", None) is text:
+                return lm
     return None
 
 

@@ -8,6 +8,9 @@ VLM_TYPES = (
     "llava",      # CLIP / SigLIP tower, projector, any text family (2D positions)
     "qwen2_vl",   # Qwen2-VL: 3D mRoPE positions from the rope index over the whole input_ids and grids
     "qwen2_5_vl", # Qwen2.5-VL: the same with a windowed vision tower
+    "internvl",   # InternVL: InternViT tiles, pixel shuffle, projector
+    "idefics3",   # Idefics3: pixel shuffle, images per row as (B, N, C, H, W)
+    "smolvlm",    # SmolVLM: the same architecture
 )
 
 for _type in VLM_TYPES:

@@ -8,7 +8,10 @@ import workers_vlm as W
 CASES = ["one_image", "two_images", "left_padding", "text_only"]
 
 
-@pytest.mark.parametrize("kind, case", [(k, c) for k in ("llava", "qwen2_vl", "qwen2_5_vl") for c in CASES]
+KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "internvl", "idefics3", "smolvlm")
+
+
+@pytest.mark.parametrize("kind, case", [(k, c) for k in KINDS for c in CASES]
                          + [("qwen2_vl", "video"), ("qwen2_5_vl", "video")])
 def test_vlm_loss_and_every_gradient_equal_the_unpatched_model(pool2, kind, case):
     for r in pool2.run(W.compare, kind, case):

@@ -37,6 +37,18 @@ def tiny_vlm(kind: str, text: str | None = None):
                             text_config=text_config, image_token_index=IMAGE,
                             vision_feature_select_strategy="full", vision_feature_layer=-1)
         cls = T.LlavaForConditionalGeneration
+    elif kind == "internvl":  # InternViT (CLS dropped), pixel shuffle 0.5: 16 patches of a 16 x 16 tile -> 4 tokens
+        cfg = T.InternVLConfig(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=2, image_size=[16, 16], patch_size=[4, 4]),
+                               text_config=dict(model_type="qwen2", **_TEXT), image_token_id=IMAGE,
+                               downsample_ratio=0.5)
+        cls = T.InternVLForConditionalGeneration
+    elif kind in ("idefics3", "smolvlm"):  # SigLIP-like tower, pixel shuffle (scale 2): 16 patches -> 4 tokens
+        config_cls, cls = ((T.Idefics3Config, T.Idefics3ForConditionalGeneration) if kind == "idefics3"
+                           else (T.SmolVLMConfig, T.SmolVLMForConditionalGeneration))
+        cfg = config_cls(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, image_size=16, patch_size=4),
+                         text_config=dict(model_type="llama", **_TEXT), image_token_id=IMAGE, scale_factor=2)
     elif kind == "qwen2_vl":
         text = dict(model_type="qwen2_vl_text", **_TEXT,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
@@ -81,7 +93,7 @@ def vlm_batch(kind: str, case: str) -> dict:
     for row, at in enumerate(starts):
         for s in at:
             ids[row, s:s + per_image] = IMAGE
-            if kind != "llava":
+            if kind.startswith("qwen"):
                 ids[row, s - 1] = START
     n = sum(len(a) for a in starts)
     if case == "too_few_tokens":  # one placeholder fewer than the image's features: the model's own check raises
@@ -95,13 +107,15 @@ def vlm_batch(kind: str, case: str) -> dict:
         out["attention_mask"] = mask
     out["labels"] = labels
     if n:
-        if kind == "llava":
+        if kind in ("llava", "internvl"):
             out["pixel_values"] = torch.randn(n, 3, 16, 16, generator=g)
+        elif kind in ("idefics3", "smolvlm"):  # (B, images per row, C, H, W)
+            out["pixel_values"] = torch.randn(B, n // B, 3, 16, 16, generator=g)
         else:
             out["pixel_values"] = torch.randn(n * 16, 3 * 2 * 2 * 2, generator=g)
             out["image_grid_thw"] = torch.tensor([[1, 4, 4]] * n)
             out["mm_token_type_ids"] = (ids == IMAGE).int()
-    elif kind != "llava":
+    elif kind.startswith("qwen"):
         out["mm_token_type_ids"] = torch.zeros_like(ids, dtype=torch.int)
     return out
 
