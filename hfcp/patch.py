@@ -18,6 +18,7 @@ from .introspect import (interface_attention_classes, logit_transform, not_throu
 from . import rope, vision_hooks
 from .lm_hooks import ShardSequenceHook
 from . import vlm_hooks
+from .vision_split import VisionTowerSplitHook
 from .vlm_hooks import LanguageModelHook, find_language_model
 from .linear_ce import IDENTITY, LogitTransform
 from .layout import StepBatch
@@ -107,6 +108,11 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
             raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}): hfcp found no "
                                         "language_model whose config is the model's text config")
         patcher = with_text_record(patcher, target)
+        try:
+            inner.get_submodule(patcher.vision_tower) if patcher.vision_tower else None
+        except AttributeError as e:
+            raise UnsupportedModelError(f"{type(inner).__name__}: its record splits the vision tower at "
+                                        f"{patcher.vision_tower!r}, which the model does not have") from e
     if patcher.read_from_model:
         _warn_if_verified_elsewhere(patcher)
         classes = interface_attention_classes(target)
@@ -259,6 +265,9 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         for module, hook in state.hooks:
             add_hook_to_module(module, hook, append=True)
         state.outer_forward = vlm_hooks.clear_layout_after(inner, state)
+        if patcher.vision_tower:  # each rank encodes its share of the images
+            state.hooks.append((inner.get_submodule(patcher.vision_tower), VisionTowerSplitHook(state)))
+            add_hook_to_module(state.hooks[-1][0], state.hooks[-1][1], append=True)
     else:
         state.hooks = [(inner, ShardSequenceHook(state))]
         add_hook_to_module(inner, state.hooks[0][1], append=True)

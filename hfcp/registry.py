@@ -38,6 +38,9 @@ class Patcher:
         language_model: a vision-language model: the attention classes are those of its language model
             (`model.model.language_model`), whose input, the merged sequence, hfcp shards; the outer model encodes
             images, merges them and computes positions whole on every rank (hfcp/vlm_hooks.py).
+        vision_tower: a VLM whose tower encodes each image on its own: its module path in the outer model
+            ("model.vision_tower"); hfcp splits the images over the CP group (hfcp/vision_split.py). Empty: every
+            rank encodes every image.
         positions_from_mask: without position_ids the family derives them from the attention mask
             (cumsum(mask) * mask - 1, as OPT); hfcp computes them so over the whole mask before splitting.
     """
@@ -58,6 +61,7 @@ class Patcher:
     positions_from_mask: bool = False
     skip_model_checks: bool = False
     language_model: bool = False
+    vision_tower: str = ""
 
 
 _HOW_TO_REGISTER = (

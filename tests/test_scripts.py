@@ -44,3 +44,13 @@ def test_gpu_check_is_valid_bash_and_refuses_without_a_gpu():
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
                             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
     assert r.returncode != 0 and "no CUDA GPU here" in r.stderr, r.stderr[-2000:]
+
+
+def test_bench_vlm_runs_and_the_split_keeps_the_loss():
+    r = _run([sys.executable, "scripts/bench_vlm.py", "--images", "4", "--cps", "1", "2", "--repeats", "1",
+              "--width", "64", "--layers", "1"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert [row[2].strip() for row in rows] == ["one process", "split over the ranks", "whole on every rank"], r.stdout
+    losses = [float(row[6]) for row in rows]
+    assert max(losses) - min(losses) <= 1e-5 * losses[0], losses

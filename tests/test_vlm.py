@@ -18,6 +18,22 @@ def test_vlm_loss_and_every_gradient_equal_the_unpatched_model(pool2, kind, case
         assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
         assert r["vision_grad_err"] is None or r["vision_grad_err"] < 1e-4, r
         assert r["vision_attn"] == "sdpa", r  # the vision tower never runs through hfcp's CP attention
+        _split(r, kind, 2)
+
+
+SPLIT = ("llava", "internvl", "idefics3", "smolvlm")  # towers that encode each image alone: split over the ranks
+
+
+def _split(r, kind, cp):
+    if kind in SPLIT and r["images"]:
+        assert r["images_seen"] == [-(-r["images"] // cp)], r  # this rank encoded its share only
+
+
+@pytest.mark.parametrize("kind", ["llava", "internvl"])
+def test_vlm_vision_tower_split_with_an_image_count_that_does_not_divide(pool2, kind):
+    for r in pool2.run(W.compare, kind, "three_images"):  # rank 1 pads its share with a copy, dropped after
+        assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["vision_grad_err"] < 1e-4, r
+        _split(r, kind, 2)
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
@@ -29,6 +45,7 @@ def test_vlm_other_strategies(pool2, strategy):
 def test_vlm_at_cp4(pool4):
     for r in pool4.run(W.compare, "llava", "one_image"):  # the image spans three of the eight zigzag chunks
         assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
+        _split(r, "llava", 4)  # 2 images over 4 ranks: one each, ranks 2 and 3 encode a copy that is dropped
 
 
 def test_vlm_logits_path(pool2):

@@ -89,7 +89,7 @@ def vlm_batch(kind: str, case: str) -> dict:
         return _video_batch(ids)
     two = [[2, 21], [4, 23]] if kind == "llava" else [[3, 24], [10, 30]]
     starts = {"one_image": [[5], [18]], "two_images": two, "left_padding": [[12], [4]], "text_only": [[], []],
-              "too_few_tokens": [[5], [18]], "other_image_on_rank_1": [[5], [18]]}[case]
+              "too_few_tokens": [[5], [18]], "other_image_on_rank_1": [[5], [18]], "three_images": [two[0], [18]]}[case]
     for row, at in enumerate(starts):
         for s in at:
             ids[row, s:s + per_image] = IMAGE
@@ -142,12 +142,20 @@ def compare(kind: str, case: str, strategy: str = "ring", loss_chunk="auto", tex
     want = ref(**batch, use_cache=False).loss
     want.backward()
     hfcp.patch(model, strategy=strategy, loss_chunk=loss_chunk, timeout=30)
+    seen = []  # images each call of the vision tower's embeddings encoded on this rank (inside hfcp's split)
+    tower = next((m for n, m in model.named_modules() if n in ("model.vision_tower", "model.vision_model")), None)
+    embeddings = next((m for n, m in tower.named_modules() if n.endswith("embeddings")), None) if tower else None
+    counter = embeddings.register_forward_pre_hook(
+        lambda m, a, k: seen.append(int((a[0] if a else k["pixel_values"]).shape[0])), with_kwargs=True) \
+        if embeddings is not None else None
     try:
         got = model(**batch).loss
         got.backward()
         vision_attn = model.config.vision_config._attn_implementation
     finally:
         hfcp.unpatch(model)
+        if counter is not None:
+            counter.remove()
     grads = _grads(model)
     for g in grads.values():
         dist.all_reduce(g)
@@ -156,7 +164,13 @@ def compare(kind: str, case: str, strategy: str = "ring", loss_chunk="auto", tex
     vision = {n: g for n, g in grads.items() if "visual" in n or "vision" in n}
     return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
             "vision_grad_err": grad_error(vision, {n: ref_grads[n] for n in vision}) if vision else None,
-            "same_keys": grads.keys() == ref_grads.keys(), "vision_attn": vision_attn, "loss": want.item()}
+            "same_keys": grads.keys() == ref_grads.keys(), "vision_attn": vision_attn, "loss": want.item(),
+            "images_seen": seen, "images": _image_count(batch)}
+
+
+def _image_count(batch) -> int:
+    pv = batch.get("pixel_values")
+    return 0 if pv is None or pv.dim() < 4 else pv.shape[0] * (pv.shape[1] if pv.dim() == 5 else 1)
 
 
 def refused(kind: str, case: str, text: str | None = None) -> str:
