@@ -1,6 +1,10 @@
 """A VLM's vision tower with its work split over the CP group (DESIGN.md "Vision-language models").
 
-For towers that encode each image on its own (CLIP, SigLIP, InternViT: images along dim 0 of every per-image input),
+Towers of two kinds: those called with images along dim 0 (CLIP, SigLIP, InternViT), and Qwen-VL's, called with
+every image's patches as one (patches, D) sequence and a `grid_thw` row per image (attention stays within each image,
+outputs are rows per patch or per merged patch): both are split by images.
+
+For towers that encode each image on its own (images along dim 0 of every per-image input),
 each rank of the CP group encodes ceil(n / cp) of the n images (the last ranks' shares padded with copies of the
 first image), and the outputs are all-gathered along dim 0 and cut back to n, so every rank merges all features as
 one device does. The gather's backward sums each feature's gradient over the group and returns it to the rank that
@@ -25,8 +29,13 @@ class VisionTowerSplitHook(ModelHook):
     def __init__(self, state):
         self.state = state
         self._n = self._k = None
+        self._grid = None  # a patch-sequence tower's call: (per-image patches, this rank's images, every rank's)
 
     def pre_forward(self, module, *args, **kwargs):
+        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+        if isinstance(grid, torch.Tensor):
+            return self._split_patches(module, args, kwargs, grid)
+        self._grid = None
         cp, rank = self.state.mesh.cp_size, self.state.mesh.cp_rank
         images = args[0] if args else kwargs.get("pixel_values")
         if not isinstance(images, torch.Tensor) or images.dim() < 2:
@@ -43,11 +52,58 @@ class VisionTowerSplitHook(ModelHook):
         self._n, self._k = n, k
         return tuple(share(a) for a in args), {name: share(v) for name, v in kwargs.items()}
 
+    def _split_patches(self, module, args, kwargs, grid):
+        """Qwen-VL: rows of pixel patches, grid_thw (n, 3); each rank takes the patches of its images."""
+        cp, rank = self.state.mesh.cp_size, self.state.mesh.cp_rank
+        patches = args[0] if args else kwargs.get("hidden_states")
+        sizes = grid.prod(-1).tolist()  # patches per image
+        if not isinstance(patches, torch.Tensor) or patches.shape[0] != sum(sizes):
+            raise ValueError(f"{type(module).__name__}: {sum(sizes)} patches in grid_thw but pixel rows of shape "
+                             f"{tuple(getattr(patches, 'shape', ()))}")
+        n = len(sizes)
+        k = -(-n // cp)
+        shares = [[i if i < n else 0 for i in range(r * k, (r + 1) * k)] for r in range(cp)]  # padded with image 0
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in shares[rank]]).to(patches.device)
+        local = patches.index_select(0, rows)
+        local_grid = grid.index_select(0, torch.tensor(shares[rank], device=grid.device))
+        self._grid = (sizes, shares, n)
+        args = (local, local_grid, *args[2:]) if len(args) > 1 else ((local,) if args else ())
+        kwargs = {**kwargs, **({"grid_thw": local_grid} if "grid_thw" in kwargs else {})}
+        if not args:
+            kwargs["hidden_states"] = local
+        return args, kwargs
+
+    def _gather_patches(self, module, t):
+        """Rows of this rank's images (per patch or per merged patch) -> rows of every image, in image order."""
+        sizes, shares, n = self._grid
+        k = len(shares[0])
+        mine = sum(sizes[i] for i in shares[self.state.mesh.cp_rank])
+        if t.dim() == 0 or any(sizes[i] * t.shape[0] % mine for share in shares for i in share):
+            raise ValueError(f"{type(module).__name__} returned rows {tuple(t.shape)} for {mine} patches: hfcp splits "
+                             "only towers whose outputs are rows per patch or per merged patch")
+        per = [[sizes[i] * t.shape[0] // mine for i in share] for share in shares]  # rows of each image, per rank
+        longest = max(sum(p) for p in per)
+        padded = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, longest - t.shape[0]))
+        every = all_gather(padded, self.state.mesh.cp_group, 0)  # (cp * longest, ...)
+        pieces = []
+        for r, counts in enumerate(per):
+            at = r * longest
+            for j, count in enumerate(counts):
+                if r * k + j < n:  # not a padding copy
+                    pieces.append(every[at:at + count])
+                at += count
+        return torch.cat(pieces)
+
     def post_forward(self, module, output):
         n, k = self._n, self._k
         group = self.state.mesh.cp_group
 
         def gather(t):
+            if self._grid is not None:
+                return self._gather_patches(module, t) if isinstance(t, torch.Tensor) else t
             if not isinstance(t, torch.Tensor):
                 return t
             if t.dim() == 0 or t.shape[0] != k:

@@ -6,8 +6,8 @@ from hfcp.registry import Patcher, register_patcher
 
 VLM_TYPES = {  # model_type: the vision tower's path where it encodes each image on its own (split over the ranks)
     "llava": "model.vision_tower",      # CLIP / SigLIP tower, projector, any text family (2D positions)
-    "qwen2_vl": "",                     # 3D mRoPE positions from the rope index over all input_ids and grids; its
-    "qwen2_5_vl": "",                   # tower takes every image's patches as one sequence: encoded whole for now
+    "qwen2_vl": "model.visual",         # 3D mRoPE positions from the rope index over all input_ids and grids; its
+    "qwen2_5_vl": "model.visual",       # tower takes every image's patches as one sequence with grid_thw rows
     "internvl": "model.vision_tower",   # InternViT tiles, pixel shuffle, projector
     "idefics3": "model.vision_model",   # pixel shuffle, images per row as (B, N, C, H, W)
     "smolvlm": "model.vision_model",    # the same architecture

@@ -1,4 +1,4 @@
-"""A many-image VLM LoRA step under CP: per-rank peak memory and step time, with the vision tower's work split over
+"""A many-image VLM training step (forward + backward of every parameter) under CP: per-rank peak memory and step time, with the vision tower's work split over
 the CP group (hfcp's default for towers that encode each image alone) and with every rank encoding every image (as
 peers do), against one process.
 

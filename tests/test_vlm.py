@@ -27,9 +27,11 @@ SPLIT = ("llava", "internvl", "idefics3", "smolvlm")  # towers that encode each 
 def _split(r, kind, cp):
     if kind in SPLIT and r["images"]:
         assert r["images_seen"] == [-(-r["images"] // cp)], r  # this rank encoded its share only
+    if kind.startswith("qwen"):
+        assert r["images_seen"] == r["qwen_rows"], r  # the patches of this rank's images (and videos) only
 
 
-@pytest.mark.parametrize("kind", ["llava", "internvl"])
+@pytest.mark.parametrize("kind", ["llava", "internvl", "qwen2_5_vl"])
 def test_vlm_vision_tower_split_with_an_image_count_that_does_not_divide(pool2, kind):
     for r in pool2.run(W.compare, kind, "three_images"):  # rank 1 pads its share with a copy, dropped after
         assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["vision_grad_err"] < 1e-4, r

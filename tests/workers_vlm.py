@@ -142,11 +142,13 @@ def compare(kind: str, case: str, strategy: str = "ring", loss_chunk="auto", tex
     want = ref(**batch, use_cache=False).loss
     want.backward()
     hfcp.patch(model, strategy=strategy, loss_chunk=loss_chunk, timeout=30)
-    seen = []  # images each call of the vision tower's embeddings encoded on this rank (inside hfcp's split)
-    tower = next((m for n, m in model.named_modules() if n in ("model.vision_tower", "model.vision_model")), None)
-    embeddings = next((m for n, m in tower.named_modules() if n.endswith("embeddings")), None) if tower else None
+    seen = []  # images (Qwen-VL: patch rows) each call of the vision tower's embeddings saw on this rank
+    tower = next((m for n, m in model.named_modules() if n in ("model.vision_tower", "model.vision_model",
+                                                                "model.visual")), None)
+    embeddings = next((m for n, m in tower.named_modules() if n.endswith("embeddings") or n == "patch_embed"),
+                      None) if tower else None
     counter = embeddings.register_forward_pre_hook(
-        lambda m, a, k: seen.append(int((a[0] if a else k["pixel_values"]).shape[0])), with_kwargs=True) \
+        lambda m, a, k: seen.append(int((a[0] if a else next(iter(k.values()))).shape[0])), with_kwargs=True) \
         if embeddings is not None else None
     try:
         got = model(**batch).loss
@@ -165,12 +167,27 @@ def compare(kind: str, case: str, strategy: str = "ring", loss_chunk="auto", tex
     return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
             "vision_grad_err": grad_error(vision, {n: ref_grads[n] for n in vision}) if vision else None,
             "same_keys": grads.keys() == ref_grads.keys(), "vision_attn": vision_attn, "loss": want.item(),
-            "images_seen": seen, "images": _image_count(batch)}
+            "images_seen": seen, "images": _image_count(batch),
+            "qwen_rows": qwen_patch_rows(batch, dist.get_world_size(), dist.get_rank()) if kind.startswith("qwen") else None}
 
 
 def _image_count(batch) -> int:
     pv = batch.get("pixel_values")
     return 0 if pv is None or pv.dim() < 4 else pv.shape[0] * (pv.shape[1] if pv.dim() == 5 else 1)
+
+
+def qwen_patch_rows(batch, cp: int, rank: int) -> list[int]:
+    """Patch rows the vision tower of a Qwen-VL should see on `rank` per call (images, then videos): each rank
+    takes ceil(n / cp) of the n grids, a share past n padded with grid 0."""
+    out = []
+    for key in ("image_grid_thw", "video_grid_thw"):
+        grid = batch.get(key)
+        if grid is None:
+            continue
+        sizes = grid.prod(-1).tolist()
+        k = -(-len(sizes) // cp)
+        out.append(sum(sizes[i] if i < len(sizes) else sizes[0] for i in range(rank * k, (rank + 1) * k)))
+    return out
 
 
 def refused(kind: str, case: str, text: str | None = None) -> str:
