@@ -1,6 +1,6 @@
-"""A many-image VLM training step (forward + backward of every parameter) under CP: per-rank peak memory and step time, with the vision tower's work split over
-the CP group (hfcp's default for towers that encode each image alone) and with every rank encoding every image (as
-peers do), against one process.
+"""A many-image VLM training step (forward + backward of every parameter) under CP: per-rank peak memory and step
+time, with the vision tower's work split over the CP group (hfcp's default) and with every rank encoding every image
+(as peers do), against one process.
 
     python scripts/bench_vlm.py                          # cp 1, 2, 4; 48 images of 64 x 64 (3072 image tokens)
     python scripts/bench_vlm.py --images 96 --cps 1 2
