@@ -38,6 +38,11 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             "is a checkpointed layer recomputed after a forward of another sequence length (run backward first)?"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal and sliding_window:  # transformers has two conventions (|q - k| < W in Gemma 3, <= W in
+        raise ValueError(  # create_bidirectional_sliding_window_mask); hfcp's window is one-sided (q - k < W)
+            f"{type(module).__name__} attends bidirectionally with a sliding window of {sliding_window} (for example "
+            "config.use_bidirectional_attention=True); hfcp implements sliding windows for causal attention only, so "
+            "this is refused")
     check_layer_form(module, step.outer_masks, causal, sliding_window, attention_chunk(module))
     spec = MaskSpec(bool(causal), sliding_window, float(softcap) if softcap else None, attention_chunk(module))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

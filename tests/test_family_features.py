@@ -107,3 +107,8 @@ def test_llama4_temperature_tuning_beyond_floor_scale_is_refused(pool2):
 def test_router_logits_with_tuple_outputs_are_refused(pool2):
     for msg in pool2.run(W.refused, "mixtral", {**AUX, "return_dict": False}):
         assert "return_dict=False (argument or config)" in msg, msg
+
+
+def test_bidirectional_sliding_window_is_refused(pool2):
+    for msg in pool2.run(W.bidirectional_window):
+        assert "attends bidirectionally with a sliding window of" in msg, msg

@@ -98,3 +98,24 @@ def refused(model_type: str, config: dict, call: dict | None = None) -> str:
     finally:
         hfcp.unpatch(model)
 
+
+
+def bidirectional_window(model_type: str = "gemma3_text") -> str:
+    """A model built with use_bidirectional_attention=True (EmbeddingGemma style: non-causal sliding layers): the
+    error every rank raises (its window is |q - k| < W, hfcp's one-sided; 2.07 / 1.33 gradient error before)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    from hfcp.tiny import tiny_config
+
+    cfg = tiny_config(model_type)
+    cfg.use_bidirectional_attention = True
+    model = getattr(transformers, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(cfg).train()
+    hfcp.patch(model)
+    try:
+        model(**batch(False)).loss.backward()
+        return "not refused"
+    except ValueError as e:
+        return str(e)
+    finally:
+        hfcp.unpatch(model)
