@@ -43,8 +43,9 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             f"{type(module).__name__} attends bidirectionally with a sliding window of {sliding_window} (for example "
             "config.use_bidirectional_attention=True); hfcp implements sliding windows for causal attention only, so "
             "this is refused")
-    check_layer_form(module, step.outer_masks, causal, sliding_window, attention_chunk(module))
-    spec = MaskSpec(bool(causal), sliding_window, float(softcap) if softcap else None, attention_chunk(module))
+    chunk = attention_chunk(module)
+    check_layer_form(module, step.outer_masks, causal, sliding_window, chunk)
+    spec = MaskSpec(bool(causal), sliding_window, float(softcap) if softcap else None, chunk)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = same_dtype(query, key, value, type(module).__name__)
     query, key, value, v_dim = same_head_dim(query, key, value)

@@ -7,9 +7,9 @@ import torch
 from accelerate.hooks import ModelHook
 
 from .checks import check_same_batch, check_shapes, check_token_range
-from .outer_mask import resolve_attention_mask
-from .layout import Layout, build_step_batch, document_ids, pad_to
 from .collectives import all_reduce_no_grad
+from .layout import Layout, build_step_batch, document_ids, pad_to
+from .outer_mask import resolve_attention_mask
 from .linear_ce import add_token_stats
 from .router_loss import global_aux
 from .loss import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean, shift_labels

@@ -156,6 +156,8 @@ def _padding_of(mask, name: str):
 
 
 def _same_padding(a, b) -> bool:
+    """Whether two key paddings are the same (None: every key valid)."""
     if a is None or b is None:
-        return (a if a is not None else b) is None or bool((a if a is not None else b).all())
+        given = b if a is None else a
+        return given is None or bool(given.all())
     return a.shape == b.shape and torch.equal(a, b)

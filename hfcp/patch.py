@@ -15,9 +15,8 @@ from .collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
 from .introspect import (interface_attention_classes, logit_transform, not_through_interface, other_mixers,
                          router_aux_loss)
-from . import rope, vision_hooks
+from . import rope, vision_hooks, vlm_hooks
 from .lm_hooks import ShardSequenceHook
-from . import vlm_hooks
 from .vision_split import VisionTowerSplitHook
 from .vlm_hooks import LanguageModelHook, find_language_model
 from .linear_ce import IDENTITY, LogitTransform
@@ -103,16 +102,15 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
     patcher = REGISTRY.lookup(inner.config.model_type)
     target = inner
     if patcher.language_model:  # a VLM: its language model mixes the merged sequence (the vision tower runs whole)
-        target = find_language_model(inner)
+        target = find_language_model(inner, patcher.language_model)
         if target is None:
-            raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}): hfcp found no "
-                                        "language_model whose config is the model's text config")
+            raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}): its record "
+                                        f"names the language model {patcher.language_model!r}, but the model has no "
+                                        "such module whose config is its text config")
         patcher = with_text_record(patcher, target)
-        try:
-            inner.get_submodule(patcher.vision_tower) if patcher.vision_tower else None
-        except AttributeError as e:
+        if patcher.vision_tower and not _has_module(inner, patcher.vision_tower):
             raise UnsupportedModelError(f"{type(inner).__name__}: its record splits the vision tower at "
-                                        f"{patcher.vision_tower!r}, which the model does not have") from e
+                                        f"{patcher.vision_tower!r}, which the model does not have")
     if patcher.read_from_model:
         _warn_if_verified_elsewhere(patcher)
         classes = interface_attention_classes(target)
@@ -132,6 +130,14 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
         raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}) is not "
                                     f"supported by hfcp: {reason}{how}")
     return dataclasses.replace(patcher, attention_classes=classes, read_from_model=False)
+
+
+def _has_module(model, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 def with_text_record(patcher: Patcher, language_model) -> Patcher:
@@ -220,7 +226,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             f"model is already patched with other settings ({', '.join(f'{k}={a!r}, now {b!r}' for k, (a, b) in differ.items())}); "
             "call hfcp.unpatch(model) before patching with other settings"
         )
-    owner = find_language_model(inner) if patcher.language_model else inner  # whose attention hfcp runs
+    owner = find_language_model(inner, patcher.language_model) if patcher.language_model else inner  # whose attention
     modules = [m for m in owner.modules() if type(m).__name__ in patcher.attention_classes]
     if not modules:
         raise UnsupportedModelError(

@@ -35,9 +35,10 @@ class Patcher:
             attention through transformers' AttentionInterface and are the only sequence mixers; positions are not
             computed from input_ids). For a record whose author has shown it exact otherwise: they take
             responsibility for what the checks would have refused.
-        language_model: a vision-language model: the attention classes are those of its language model
-            (`model.model.language_model`), whose input, the merged sequence, hfcp shards; the outer model encodes
-            images, merges them and computes positions whole on every rank (hfcp/vlm_hooks.py).
+        language_model: a vision-language model: the module path of its language model in the outer model
+            ("model.language_model"), whose attention classes hfcp runs and whose input, the merged sequence, it
+            shards; the outer model encodes images, merges them and computes positions whole on every rank
+            (hfcp/vlm_hooks.py). Empty: not a VLM.
         vision_tower: a VLM whose tower encodes each image on its own: its module path in the outer model
             ("model.vision_tower"); hfcp splits the images over the CP group (hfcp/vision_split.py). Empty: every
             rank encodes every image.
@@ -60,7 +61,7 @@ class Patcher:
     max_seq_len_reason: str = ""
     positions_from_mask: bool = False
     skip_model_checks: bool = False
-    language_model: bool = False
+    language_model: str = ""
     vision_tower: str = ""
 
 

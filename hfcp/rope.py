@@ -35,7 +35,8 @@ def _neutral(rope_type):
 
 def attach(modules: list[torch.nn.Module], state) -> list:
     """Wrap each module's forward (instance attribute) so that the whole sequence's largest position
-    (state.step.max_position) decides its frequencies. Returns [(module, restore)] for `detach`."""
+    (state.step.max_position) decides its frequencies. Returns [(module, its own instance forward or None)] for
+    `detach`."""
     restores = []
     for module in modules:
         original = module.forward  # the bound, decorated forward (or a hook's instance forward)

@@ -7,9 +7,9 @@ labels over the whole sequence and computes the loss. The language model's hook,
 arrives there, the sequence whole and final: `inputs_embeds`, `position_ids` of any leading shape along their last
 dim, and the mask (a mask the outer model built becomes hfcp's predicate or is refused, hfcp/outer_mask.py).
 
-Gradients: each rank back-propagates its slice of the merged sequence into the (replicated) vision tower, so the
-mean over the CP group of a vision parameter's gradient is the single-device one, as for every other parameter.
-Each rank still runs the whole vision tower (its work is not split yet).
+Gradients: each rank back-propagates its slice of the merged sequence into the vision tower, so the mean over the
+CP group of a vision parameter's gradient is the single-device one, as for every other parameter. Where the record
+names the tower, its work is split over the group too (hfcp/vision_split.py).
 """
 from __future__ import annotations
 
@@ -29,16 +29,14 @@ LANGUAGE_MODEL_INPUTS = frozenset({"input_ids", "inputs_embeds", "position_ids",
                                    "output_hidden_states", "cache_position", "logits_to_keep"})
 
 
-def find_language_model(model) -> torch.nn.Module | None:
-    """The language model a VLM feeds with the merged sequence: `language_model` (or Idefics' `text_model`) of
-    `model.model` or of `model`, whose config is the VLM's text config; None when there is none."""
-    text = model.config.get_text_config()
-    for owner in (getattr(model, "model", None), model):
-        for name in ("language_model", "text_model"):
-            lm = getattr(owner, name, None) if owner is not None else None
-            if isinstance(lm, torch.nn.Module) and getattr(lm, "config", None) is text:
-                return lm
-    return None
+def find_language_model(model, path: str) -> torch.nn.Module | None:
+    """The language model a VLM feeds with the merged sequence: the module at `path` (its record's
+    Patcher.language_model), if it is there and its config is the VLM's text config; else None."""
+    try:
+        lm = model.get_submodule(path)
+    except AttributeError:
+        return None
+    return lm if getattr(lm, "config", None) is model.config.get_text_config() else None
 
 
 class LanguageModelHook(ModelHook):

@@ -4,18 +4,18 @@ attention modules are read from it and checked like any read-from-model family; 
 hfcp's predicate or refused at run time. Each type here is tested against the unpatched model (tests/test_vlm.py)."""
 from hfcp.registry import Patcher, register_patcher
 
-VLM_TYPES = {  # model_type: the vision tower's path where it encodes each image on its own (split over the ranks)
-    "llava": "model.vision_tower",      # CLIP / SigLIP tower, projector, any text family (2D positions)
-    "qwen2_vl": "model.visual",         # 3D mRoPE positions from the rope index over all input_ids and grids; its
-    "qwen2_5_vl": "model.visual",       # tower takes every image's patches as one sequence with grid_thw rows
-    "internvl": "model.vision_tower",   # InternViT tiles, pixel shuffle, projector
-    "idefics3": "model.vision_model",   # pixel shuffle, images per row as (B, N, C, H, W)
-    "smolvlm": "model.vision_model",    # the same architecture
+VLM_TYPES = {  # model_type: (language model, vision tower), module paths in the outer model
+    "llava": ("model.language_model", "model.vision_tower"),     # CLIP / SigLIP tower, projector, any text family
+    "qwen2_vl": ("model.language_model", "model.visual"),        # 3D mRoPE positions from the rope index; its tower
+    "qwen2_5_vl": ("model.language_model", "model.visual"),      # takes every image's patches as one sequence
+    "internvl": ("model.language_model", "model.vision_tower"),  # InternViT tiles, pixel shuffle, projector
+    "idefics3": ("model.text_model", "model.vision_model"),      # pixel shuffle, images per row (B, N, C, H, W)
+    "smolvlm": ("model.text_model", "model.vision_model"),       # the same architecture
 }
 
-for _type, _tower in VLM_TYPES.items():
-    register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True, language_model=True,
-                             vision_tower=_tower))
+for _type, (_language_model, _tower) in VLM_TYPES.items():
+    register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True,
+                             language_model=_language_model, vision_tower=_tower))
 
 # the language models of the Qwen-VL types (a VLM's record takes its text record's family knowledge: there is
 # none to add for these); exact as part of their VLM, tested there
