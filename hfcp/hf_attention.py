@@ -6,7 +6,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import STRATEGIES, MaskSpec
-from .outer_mask import OuterMask, check_layer_form, hfcp_mask
+from .outer_mask import OuterMask, hfcp_mask, layer_mask
 
 KEY = "hfcp"
 
@@ -38,14 +38,15 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             "is a checkpointed layer recomputed after a forward of another sequence length (run backward first)?"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    chunk = attention_chunk(module)
+    causal, sliding_window, blocks = layer_mask(module, step.outer_masks, causal, sliding_window, chunk)
     if not causal and sliding_window:  # transformers has two conventions (|q - k| < W in Gemma 3, <= W in
         raise ValueError(  # create_bidirectional_sliding_window_mask); hfcp's window is one-sided (q - k < W)
             f"{type(module).__name__} attends bidirectionally with a sliding window of {sliding_window} (for example "
             "config.use_bidirectional_attention=True); hfcp implements sliding windows for causal attention only, so "
             "this is refused")
-    chunk = attention_chunk(module)
-    check_layer_form(module, step.outer_masks, causal, sliding_window, chunk)
-    spec = MaskSpec(bool(causal), sliding_window, float(softcap) if softcap else None, chunk)
+    spec = MaskSpec(bool(causal), sliding_window, float(softcap) if softcap else None, chunk,
+                    blocks if step.blocks is not None else None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = same_dtype(query, key, value, type(module).__name__)
     query, key, value, v_dim = same_head_dim(query, key, value)

@@ -104,6 +104,7 @@ class StepBatch:
     positions: torch.Tensor | None = None
     max_position: torch.Tensor | None = None  # 0-dim: the whole batch's largest position id (dynamic RoPE reads it)
     outer_masks: dict | None = None  # forms of masks an outer model built ({layer type: OuterMask}), checked per layer
+    blocks: torch.Tensor | None = None  # (B, padded_len) long bidirectional block ids of those masks (-1: none)
     plans: dict = field(default_factory=dict)  # attention block plans, cached for all layers of the step
 
     @property

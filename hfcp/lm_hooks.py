@@ -9,7 +9,7 @@ from accelerate.hooks import ModelHook
 from .checks import check_same_batch, check_shapes, check_token_range
 from .collectives import all_reduce_no_grad
 from .layout import Layout, build_step_batch, document_ids, pad_to
-from .outer_mask import resolve_attention_mask
+from .outer_mask import resolve_attention_mask, step_blocks
 from .linear_ce import add_token_stats
 from .router_loss import global_aux
 from .loss import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean, shift_labels
@@ -165,6 +165,7 @@ def shard_inputs(st, kw: dict, layout: Layout, outer_masks) -> None:
     pos = pos.expand(*pos.shape[:-2], B, L) if pos.dim() >= 2 else pos.expand(B, L)
     sb = build_step_batch(layout, st.mesh.cp_rank, B, text_positions(pos), mask, x.device)
     sb.outer_masks, sb.max_position = outer_masks, pos.amax()
+    sb.blocks = step_blocks(outer_masks, B, L, layout.padded_len)
     st.step = sb
     idx = sb.local_index.to(x.device)
     P = layout.padded_len

@@ -5,8 +5,9 @@ hfcp's mask builder (key "hfcp") runs only when code outside the patched model b
 vision-language model building the mask of its language model (PaliGemma's prefix-LM block, Gemma 3's dict of
 full and sliding masks with bidirectional image blocks), or a user calling `create_causal_mask` themselves.
 The builder returns an `OuterMask` that records the mask's form instead of a tensor; the patched model's hook
-accepts the forms hfcp reproduces from global indices (causal or sliding-window causal, with key padding) and
-refuses every other one with the reason, before any collective.
+accepts the forms hfcp reproduces from global indices (causal or sliding-window causal, with key padding, each
+optionally OR-ed with transformers' bidirectional blocks, `block_sequence_ids`) and refuses every other one with
+the reason, before any collective.
 """
 from __future__ import annotations
 
@@ -24,12 +25,16 @@ class OuterMask:
         mask hfcp does not reproduce (`why` says what it holds).
     padding: (B, L) bool key padding (True: attend), or None when every key is valid.
     window: the window of a "sliding" mask (a key attends when q - k < window).
+    blocks: (B, L) long block ids of a causal or sliding mask OR-ed with transformers' blockwise overlay: a query
+        also sees every key of its own block (id >= 0; -1: no block); else None.
     """
 
     form: str | None
     padding: torch.Tensor | None
     why: str = ""
     window: int | None = None
+    blocks: torch.Tensor | None = None
+    blocks_windowed: bool = True  # the window limits a block's keys too (else a block is seen whole)
 
 
 def _closure_parts(fn) -> tuple:
@@ -40,16 +45,65 @@ def _closure_parts(fn) -> tuple:
     return ()
 
 
-def _sliding_causal_window(fn) -> int | None:
-    """The window of transformers' sliding_window_causal_mask_function(window), or None for any other function."""
-    parts = _closure_parts(fn)
-    if not (getattr(fn, "__qualname__", "") == "and_masks.<locals>.and_mask" and len(parts) == 2
-            and getattr(parts[0], "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask"
-            and parts[1] is mu.causal_mask_function):
-        return None
-    cells = dict(zip(parts[0].__code__.co_freevars, parts[0].__closure__ or ()))
-    window = cells["sliding_window"].cell_contents if "sliding_window" in cells else None
+def _is(fn, qualname: str) -> bool:
+    return getattr(fn, "__qualname__", "") == qualname
+
+
+def _cell(fn, name: str):
+    cells = dict(zip(getattr(fn, "__code__", None).co_freevars, fn.__closure__ or ())) if hasattr(fn, "__code__") else {}
+    return cells[name].cell_contents if name in cells else None
+
+
+def _window_of(fn) -> int | None:
+    """The window of transformers' sliding_window_overlay(window), or None for any other function."""
+    window = _cell(fn, "sliding_window") if _is(fn, "sliding_window_overlay.<locals>.inner_mask") else None
     return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+
+
+def _plain_causal(fn) -> tuple[bool, int | None]:
+    """(True, None) for the causal mask function, (True, window) for it and_masks-ed with a sliding-window overlay
+    (either order), else (False, None)."""
+    if fn is mu.causal_mask_function:
+        return True, None
+    parts = _closure_parts(fn) if _is(fn, "and_masks.<locals>.and_mask") else ()
+    if len(parts) == 2:
+        for base, overlay in (parts, parts[::-1]):
+            if base is mu.causal_mask_function and _window_of(overlay) is not None:
+                return True, _window_of(overlay)
+    return False, None
+
+
+def _with_blocks(fn) -> tuple[bool, int | None, torch.Tensor | None]:
+    """(True, window, ids) for or_masks(a plain causal mask, blockwise_overlay(ids)), else (False, None, None)."""
+    parts = _closure_parts(fn) if _is(fn, "or_masks.<locals>.or_mask") else ()
+    if len(parts) == 2 and _is(parts[1], "blockwise_overlay.<locals>.inner_mask"):
+        ok, window = _plain_causal(parts[0])
+        ids = _cell(parts[1], "block_sequence_ids")
+        if ok and isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+            return True, window, ids
+    return False, None, None
+
+
+def _parse_causal(fn) -> tuple[int | None, torch.Tensor | None, bool] | None:
+    """(window, block ids, whether the window also limits a block's keys) of the causal mask functions hfcp
+    reproduces, None for any other:
+      causal [AND window]                       -> (window, None, True)
+      (causal [AND window]) OR block            -> (window, ids, False): a block is seen whole (PaliGemma 2's sliding)
+      (causal OR block) AND window              -> (window, ids, True): Gemma 3's sliding layers
+    """
+    ok, window = _plain_causal(fn)
+    if ok:
+        return window, None, True
+    ok, window, ids = _with_blocks(fn)
+    if ok:
+        return window, ids, window is None
+    parts = _closure_parts(fn) if _is(fn, "and_masks.<locals>.and_mask") else ()
+    if len(parts) == 2:
+        for base, overlay in (parts, parts[::-1]):
+            ok, inner, ids = _with_blocks(base)
+            if ok and inner is None and _window_of(overlay) is not None:
+                return _window_of(overlay), ids, True
+    return None
 
 
 def hfcp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
@@ -64,11 +118,11 @@ def hfcp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_off
     if not isinstance(q_offset, int) or not isinstance(kv_offset, int) or q_offset or kv_offset \
             or q_length != kv_length:
         return OuterMask(None, padding, "a mask over cached keys (q_offset / kv_offset / kv_length differ)")
-    if mask_function is mu.causal_mask_function and allow_is_causal_skip:
-        return OuterMask("causal", padding)
-    window = _sliding_causal_window(mask_function)
-    if window is not None and allow_is_causal_skip:
-        return OuterMask("sliding", padding, window=window)
+    parsed = _parse_causal(mask_function)
+    if parsed is not None and (allow_is_causal_skip or parsed[1] is not None):  # (a plain causal mask without the
+        window, blocks, windowed = parsed  # skip flag is one transformers made for a compileable cache: refused)
+        return OuterMask("causal" if window is None else "sliding", padding, window=window, blocks=blocks,
+                         blocks_windowed=windowed)
     if mask_function is mu.bidirectional_mask_function and allow_is_bidirectional_skip:
         return OuterMask("bidirectional", padding)
     return OuterMask(None, padding, "a mask with overlays (bidirectional image or prefix blocks such as "
@@ -76,7 +130,7 @@ def hfcp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_off
 
 
 _REFUSAL = ("hfcp builds attention masks from global token indices and reproduces causal and sliding-window masks "
-            "with key padding only; {what} cannot be split exactly over the ranks, so it is refused. {todo}")
+            "with key padding and bidirectional blocks (block_sequence_ids) only; {what} cannot be split exactly over the ranks, so it is refused. {todo}")
 _TODO_OUTER = ("A vision-language model building its language model's mask is not supported by patching the language "
                "model alone (see README, Support matrix)")
 
@@ -84,7 +138,7 @@ _TODO_OUTER = ("A vision-language model building its language model's mask is no
 def resolve_attention_mask(kw: dict) -> dict | None:
     """Replace kw["attention_mask"] by the (B, L) key padding it stands for, or None, and return the forms of the
     masks built outside the patched forward ({layer type: OuterMask}, key None for a single mask; None when there
-    is none), which every attention call checks against what it computes (`check_layer_form`).
+    is none), which every attention call applies (`layer_mask`).
 
     Raises ValueError for a mask hfcp cannot reproduce exactly (a 4D tensor, a BlockMask, an overlay, a dict whose
     entries pad differently), the same on every rank of a CP group given the same call: decided by the call, so
@@ -104,17 +158,41 @@ def resolve_attention_mask(kw: dict) -> dict | None:
         if forms and len(forms) != len(mask):
             raise ValueError(_REFUSAL.format(what="a dict mixing masks built by transformers with other ones",
                                              todo=_TODO_OUTER))
+        blocks = [f.blocks for f in forms.values() if f.blocks is not None]
+        if any(b.shape != blocks[0].shape or not torch.equal(b, blocks[0]) for b in blocks[1:]):
+            raise ValueError(_REFUSAL.format(what="a dict of masks whose bidirectional blocks (block_sequence_ids) "
+                                                  "differ between entries", todo=_TODO_OUTER))
         return forms or None
     kw["attention_mask"] = _padding_of(mask, "attention_mask")
     return {None: mask} if isinstance(mask, OuterMask) else None
 
 
-def check_layer_form(module, forms: dict | None, causal: bool, window, chunk: int | None = None) -> None:
-    """Raises ValueError when the mask an outer model built for this attention layer is not the one hfcp computes
-    for it (causality, window and attention chunk from the module and its config): transformers would apply the
-    mask alone."""
+def step_blocks(forms: dict | None, batch: int, length: int, padded_len: int) -> torch.Tensor | None:
+    """(B, padded_len) long block ids of the step's outer masks (the same in every entry, resolve_attention_mask
+    checked), padding positions -1; None when no mask has blocks. Raises ValueError when they do not match the
+    batch."""
+    blocks = next((f.blocks for f in (forms or {}).values() if f.blocks is not None), None)
+    if blocks is None:
+        return None
+    if blocks.shape[-1] != length or blocks.shape[0] not in (1, batch):
+        raise ValueError(f"the bidirectional blocks of the mask built outside the patched model (block_sequence_ids) "
+                         f"have shape {tuple(blocks.shape)} for a batch of {batch} x {length} tokens")
+    blocks = blocks.long().expand(batch, -1)
+    return torch.nn.functional.pad(blocks, (0, padded_len - length), value=-1)
+
+
+def layer_mask(module, forms: dict | None, causal: bool, window, chunk: int | None = None):
+    """(causal, window, blocks) hfcp applies for this attention layer: its own arguments (is_causal, sliding_window;
+    blocks None), or, when an outer model built its mask, that mask's form, which is what transformers applies
+    (sdpa and eager take the mask alone: PaliGemma's Gemma is built with use_bidirectional_attention, yet runs its
+    causal prefix-LM mask). blocks: how the step's bidirectional blocks join the mask (MaskSpec.blocks): "windowed"
+    (the window limits a block's keys too), "whole" (a block is seen whole) or None.
+
+    Raises ValueError where the layer's own sliding window or attention chunk disagrees with the outer mask (other
+    attention implementations apply the layer's arguments), or where hfcp cannot tell which mask of a dict applies.
+    """
     if not forms:
-        return
+        return causal, window, None
     name = type(module).__name__
     if chunk is not None:  # hfcp applies the layer's chunks from the config; no outer form carries them
         raise ValueError(f"{name} attends in chunks of {chunk} (chunked attention) but got a mask built outside the "
@@ -128,15 +206,14 @@ def check_layer_form(module, forms: dict | None, causal: bool, window, chunk: in
         if outer is None:
             raise ValueError(f"{name} (layer_idx={idx!r}) got a dict of masks {sorted(map(str, forms))} and hfcp cannot "
                              f"tell which one applies to it (config.layer_types[{idx!r}] = {key!r}); {_TODO_OUTER}")
-    want = (True, outer.window if outer.form == "sliding" else None)
-    got = (bool(causal), int(window) if window else None)
-    if got != want:
-        shown = "causal" if outer.form == "causal" else f"sliding-window causal (window {outer.window})"
-        mine = ("causal" if got[0] else "bidirectional") + (f" with window {got[1]}" if got[1] else "")
+    want = outer.window if outer.form == "sliding" else None
+    if (int(window) if window else None) != want:
+        shown = "causal" if want is None else f"sliding-window causal (window {want})"
         raise ValueError(f"the mask built outside the patched model for {name}{'' if key is None else f' ({key})'} is "
-                         f"{shown}, but the layer itself attends {mine} (its is_causal / sliding_window arguments); "
-                         f"transformers would apply the mask, hfcp the layer's arguments, so this is refused. "
-                         f"{_TODO_OUTER}")
+                         f"{shown}, but the layer itself has sliding_window={window!r}; attention implementations "
+                         f"disagree on which applies, so this is refused. {_TODO_OUTER}")
+    blocks = None if outer.blocks is None else "windowed" if outer.blocks_windowed or want is None else "whole"
+    return True, want, blocks
 
 
 def _padding_of(mask, name: str):

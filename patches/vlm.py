@@ -11,6 +11,8 @@ VLM_TYPES = {  # model_type: (language model, vision tower), module paths in the
     "internvl": ("model.language_model", "model.vision_tower"),  # InternViT tiles, pixel shuffle, projector
     "idefics3": ("model.text_model", "model.vision_model"),      # pixel shuffle, images per row (B, N, C, H, W)
     "smolvlm": ("model.text_model", "model.vision_model"),       # the same architecture
+    "gemma3": ("model.language_model", "model.vision_tower"),    # SigLIP; image blocks bidirectional (token_type_ids)
+    "paligemma": ("model.language_model", "model.vision_tower"), # SigLIP; the prefix is one bidirectional block
 }
 
 for _type, (_language_model, _tower) in VLM_TYPES.items():

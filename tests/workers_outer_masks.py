@@ -86,10 +86,21 @@ def prepared_mask(kind: str) -> str:
     """A patched causal LM given a mask hfcp cannot split: the message every rank raises."""
     from workers_model import tiny_model
 
+    from transformers import masking_utils as mu
+
     model = tiny_model("llama")
     hfcp.patch(model, timeout=20)
     ids = torch.randint(3, 60, (1, 12), generator=torch.Generator().manual_seed(0))
-    masks = {
+    embeds = model.get_input_embeddings()(ids)
+    built = {  # built by transformers outside the patched forward, for hfcp's mask builder
+        "custom_overlay": lambda: mu.create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None,
+                                                        cache=None, or_mask_function=lambda b, h, q, k: k <= q + 1),
+        "window_differs": lambda: mu.create_sliding_window_causal_mask(  # llama's layers have no window
+            config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None),
+    }
+    model.config.sliding_window = 4
+    masks = {k: v() for k, v in built.items() if k == kind}
+    masks |= {
         "float_4d": torch.zeros(1, 1, 12, 12),
         "dict_padding_differs": {"full_attention": torch.ones(1, 12, dtype=torch.long),
                                  "sliding_attention": torch.cat([torch.zeros(1, 2), torch.ones(1, 10)], 1).long()},

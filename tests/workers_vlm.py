@@ -13,6 +13,8 @@ from hfcp.verify import grad_error
 _TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
              eos_token_id=2)
+_SIGLIP = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, image_size=16, patch_size=4)
 IMAGE, VIDEO, START = 90, 91, 92  # token ids of the image / video placeholder and the vision start
 
 
@@ -32,9 +34,7 @@ def tiny_vlm(kind: str, text: str | None = None):
 
     if kind == "llava":
         text_config = {**dict(model_type="llama", **_TEXT), **TEXT_VARIANTS.get(text, {})}
-        cfg = T.LlavaConfig(vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
-                                               num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4),
-                            text_config=text_config, image_token_index=IMAGE,
+        cfg = T.LlavaConfig(vision_config=_SIGLIP, text_config=text_config, image_token_index=IMAGE,
                             vision_feature_select_strategy="full", vision_feature_layer=-1)
         cls = T.LlavaForConditionalGeneration
     elif kind == "internvl":  # InternViT (CLS dropped), pixel shuffle 0.5: 16 patches of a 16 x 16 tile -> 4 tokens
@@ -49,6 +49,17 @@ def tiny_vlm(kind: str, text: str | None = None):
         cfg = config_cls(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                             num_attention_heads=2, image_size=16, patch_size=4),
                          text_config=dict(model_type="llama", **_TEXT), image_token_id=IMAGE, scale_factor=2)
+    elif kind == "gemma3":  # SigLIP, 4 x 4 patches pooled to 16 tokens; image blocks bidirectional, sliding layers
+        text = dict(model_type="gemma3_text", **_TEXT, sliding_window=6, layer_types=["sliding_attention",
+                                                                                     "full_attention"])
+        cfg = T.Gemma3Config(vision_config=_SIGLIP, text_config=text, mm_tokens_per_image=16,
+                             image_token_index=IMAGE, boi_token_index=START, eoi_token_index=93)
+        cls = T.Gemma3ForConditionalGeneration
+    elif kind == "paligemma":  # PaliGemma 2: a bidirectional prefix (image and prompt), Gemma 2's sliding layers
+        text = dict(model_type="gemma2", **_TEXT, sliding_window=6, layer_types=["sliding_attention",
+                                                                                "full_attention"])
+        cfg = T.PaliGemmaConfig(vision_config=_SIGLIP, text_config=text, image_token_index=IMAGE, projection_dim=32)
+        cls = T.PaliGemmaForConditionalGeneration
     elif kind == "qwen2_vl":
         text = dict(model_type="qwen2_vl_text", **_TEXT,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
@@ -67,7 +78,7 @@ def tiny_vlm(kind: str, text: str | None = None):
                                  text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
                                  vision_start_token_id=START)
         cls = T.Qwen2_5_VLForConditionalGeneration
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = "eager" if kind == "paligemma" else "sdpa"  # Gemma 2 has no sdpa path
     torch.manual_seed(0)
     model = cls(copy.deepcopy(cfg)).float().train()
     g = torch.Generator().manual_seed(1)
@@ -77,6 +88,9 @@ def tiny_vlm(kind: str, text: str | None = None):
     return model
 
 
+SIXTEEN = ("llava", "gemma3", "paligemma")  # 16 image tokens per image (the others: 4)
+
+
 def vlm_batch(kind: str, case: str) -> dict:
     """Rows of 40 tokens. case: "one_image" (row 0 at 5, row 1 straddling the middle, where zigzag cuts), "two_images"
     (two per row), "left_padding" (one image, row 0 left-padded), "text_only" (no image), "video" (Qwen-VL: a video of
@@ -84,10 +98,10 @@ def vlm_batch(kind: str, case: str) -> dict:
     g = torch.Generator().manual_seed(2)
     B, L = 2, 40
     ids = torch.randint(3, 88, (B, L), generator=g)
-    per_image = 16 if kind == "llava" else 4  # siglip 16x16 / 4: 16 patches; qwen2-vl 1x4x4 patches merged 2x2: 4
+    per_image = 16 if kind in SIXTEEN else 4  # siglip 16x16 / 4: 16 patches; qwen2-vl 1x4x4 patches merged 2x2: 4
     if case == "video":
         return _video_batch(ids)
-    two = [[2, 21], [4, 23]] if kind == "llava" else [[3, 24], [10, 30]]
+    two = [[2, 21], [4, 23]] if kind in SIXTEEN else [[3, 24], [10, 30]]
     starts = {"one_image": [[5], [18]], "two_images": two, "left_padding": [[12], [4]], "text_only": [[], []],
               "too_few_tokens": [[5], [18]], "other_image_on_rank_1": [[5], [18]], "three_images": [two[0], [18]]}[case]
     for row, at in enumerate(starts):
@@ -99,6 +113,11 @@ def vlm_batch(kind: str, case: str) -> dict:
     if case == "too_few_tokens":  # one placeholder fewer than the image's features: the model's own check raises
         ids[0, 5] = 7
     out = {"input_ids": ids}
+    if kind == "gemma3":  # image tokens attend bidirectionally within each image
+        out["token_type_ids"] = (ids == IMAGE).long()
+    if kind == "paligemma":  # the prefix (every image and the prompt after it) attends bidirectionally
+        ends = [max(at) + per_image + 3 if at else 6 for at in starts]
+        out["token_type_ids"] = (torch.arange(L)[None] >= torch.tensor(ends)[:, None]).long()
     labels = ids.masked_fill(ids == IMAGE, -100)
     if case == "left_padding":
         mask = torch.ones_like(ids)
@@ -107,7 +126,7 @@ def vlm_batch(kind: str, case: str) -> dict:
         out["attention_mask"] = mask
     out["labels"] = labels
     if n:
-        if kind in ("llava", "internvl"):
+        if kind in ("llava", "internvl", "gemma3", "paligemma"):
             out["pixel_values"] = torch.randn(n, 3, 16, 16, generator=g)
         elif kind in ("idefics3", "smolvlm"):  # (B, images per row, C, H, W)
             out["pixel_values"] = torch.randn(B, n // B, 3, 16, 16, generator=g)
@@ -166,7 +185,8 @@ def compare(kind: str, case: str, strategy: str = "ring", loss_chunk="auto", tex
     vision = {n: g for n, g in grads.items() if "visual" in n or "vision" in n}
     return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
             "vision_grad_err": grad_error(vision, {n: ref_grads[n] for n in vision}) if vision else None,
-            "same_keys": grads.keys() == ref_grads.keys(), "vision_attn": vision_attn, "loss": want.item(),
+            "same_keys": grads.keys() == ref_grads.keys(), "vision_attn": vision_attn,
+            "vision_attn_unpatched": ref.config.vision_config._attn_implementation, "loss": want.item(),
             "images_seen": seen, "images": _image_count(batch),
             "qwen_rows": qwen_patch_rows(batch, dist.get_world_size(), dist.get_rank()) if kind.startswith("qwen") else None}
 

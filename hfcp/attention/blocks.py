@@ -1,7 +1,7 @@
 """Block-sparse local attention over global index ranges: plan, forward, backward.
 
 Every mask is a predicate on global token indices (causal, sliding window, same document, same attention chunk,
-valid key).
+valid key, and bidirectional blocks OR-ed with causality: a query also sees the later keys of its image block).
 For each (query range, key range) pair the planner decides skip / full / causal-diagonal / partial;
 only partial tiles get a mask, and a partial tile larger than MAX_TILE x MAX_TILE is split first, so no
 mask larger than a tile is ever built. Plans are cached on the step's `StepBatch` and reused by every
@@ -27,6 +27,8 @@ class MaskSpec:
     window: int | None  # keys with q - k >= window are masked (transformers' sliding_window)
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)
     chunk: int | None = None  # chunked attention (Llama 4): keys in the query's chunk of this many tokens only
+    blocks: str | None = None  # the step's bidirectional blocks (StepBatch.blocks) OR-ed with causality: "windowed"
+    # ((causal | same block) & window, Gemma 3) or "whole" ((causal & window) | same block, PaliGemma 2); None: none
 
 
 def _groups(spec: MaskSpec, sb: StepBatch) -> list[torch.Tensor]:
@@ -80,19 +82,31 @@ def coalesce(ranges) -> list[tuple[int, int, int]]:
     return out
 
 
+def _blocks_meet(sb: StepBatch, qs: int, qe: int, ks: int, ke: int) -> bool:
+    """Whether some row may have a bidirectional block with tokens in both ranges (conservative: the ranges' block
+    id intervals overlap; exact for ids that grow along the row, as transformers numbers images)."""
+    q, k = sb.blocks[:, qs : qe + 1], sb.blocks[:, ks : ke + 1]
+    big = torch.iinfo(q.dtype).max
+    lo = torch.maximum(torch.where(q >= 0, q, big).amin(-1), torch.where(k >= 0, k, big).amin(-1))
+    return bool((lo <= torch.minimum(q.amax(-1), k.amax(-1))).any())
+
+
 def _classify(spec: MaskSpec, sb: StepBatch, qs: int, ql: int, ks: int, kl: int) -> tuple[str, bool]:
     """Returns (kind, only_causal): kind in skip / full / partial; only_causal when causality alone is partial."""
     qe, ke = qs + ql - 1, ks + kl - 1
     causal_partial = False
     other_partial = False
+    blocks = spec.blocks is not None and sb.blocks is not None and _blocks_meet(sb, qs, qe, ks, ke)
+    whole = blocks and spec.blocks == "whole"  # a block's keys are seen beyond the window too
     if spec.causal:
-        if qe < ks:
+        if qe < ks and not blocks:
             return "skip", False
         causal_partial = qs < ke
     if spec.window is not None:
-        if qs - ke >= spec.window:
+        if qs - ke >= spec.window and not whole:
             return "skip", False
         other_partial |= qe - ks >= spec.window
+    other_partial |= blocks and ((spec.causal and qs < ke) or (whole and qe - ks >= spec.window))
     for d in _groups(spec, sb):
         dq0, dq1, dk0, dk1 = d[:, qs], d[:, qe], d[:, ks], d[:, ke]
         if bool(((dq1 < dk0) | (dk1 < dq0)).all()):
@@ -112,12 +126,18 @@ def _allowed(spec: MaskSpec, sb: StepBatch, qs: int, ql: int, ks: int, kl: int, 
     """(B or 1, 1, ql, kl) bool: which keys each query may see."""
     qi = torch.arange(qs, qs + ql, device=device)[:, None]
     ki = torch.arange(ks, ks + kl, device=device)[None, :]
-    allowed = torch.ones(ql, kl, dtype=torch.bool, device=device)
-    if spec.causal:
-        allowed &= ki <= qi
-    if spec.window is not None:
-        allowed &= (qi - ki) < spec.window
-    allowed = allowed[None, None]
+    causal = ki <= qi if spec.causal else torch.ones(ql, kl, dtype=torch.bool, device=device)
+    window = (qi - ki) < spec.window if spec.window is not None else None
+    if spec.blocks is not None and sb.blocks is not None:
+        bq, bk = sb.blocks[:, qs : qs + ql, None].to(device), sb.blocks[:, None, ks : ks + kl].to(device)
+        block = (bq == bk) & (bq >= 0)  # (B, ql, kl): the same bidirectional block
+        if spec.blocks == "whole" or window is None:
+            allowed = ((causal & window) if window is not None else causal) | block
+        else:
+            allowed = (causal | block) & window
+        allowed = allowed[:, None]
+    else:
+        allowed = (causal & window if window is not None else causal)[None, None]
     for d in _groups(spec, sb):
         allowed = allowed & (d[:, qs : qs + ql, None] == d[:, None, ks : ks + kl])[:, None].to(device)
     if sb.key_valid is not None:
@@ -161,7 +181,7 @@ def _causal_in_tensor_order(spec: MaskSpec, sb: StepBatch, ranges) -> bool:
     """Whether queries and keys at the same ascending `ranges` see exactly a causal mask in tensor order
     (no window, document or padding boundary inside): then one causal kernel call covers them all."""
     starts = [s for s, _ in ranges]
-    if not spec.causal or starts != sorted(starts):
+    if not spec.causal or starts != sorted(starts) or (spec.blocks is not None and sb.blocks is not None):
         return False
     if spec.window is not None and spec.window < sb.layout.padded_len:
         return False
