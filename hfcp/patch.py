@@ -17,8 +17,8 @@ from .introspect import (interface_attention_classes, logit_transform, not_throu
                          router_aux_loss)
 from . import rope, vision_hooks, vlm_hooks
 from .lm_hooks import ShardSequenceHook
-from .vision_split import VisionTowerSplitHook
-from .vlm_hooks import LanguageModelHook, find_language_model
+from .vision_split import VisionTowerSplitHook, splits_tower
+from .vlm_hooks import LanguageModelHook, find_language_model, module_with_config
 from .linear_ce import IDENTITY, LogitTransform
 from .layout import StepBatch
 from .mesh import Mesh, as_timedelta, build_mesh
@@ -101,6 +101,16 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
     """
     patcher = REGISTRY.lookup(inner.config.model_type)
     target = inner
+    if patcher.language_model == "auto":  # read from the model: the module whose config is the VLM's text config
+        patcher = dataclasses.replace(patcher, language_model=module_with_config(inner, inner.config.get_text_config())
+                                      or "")
+        if not patcher.language_model:
+            raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}): hfcp found no "
+                                        "single module whose config is its text config (the language model)")
+    if patcher.vision_tower == "auto":  # the module whose config is the vision config, split if its type is known to
+        vision = getattr(inner.config, "vision_config", None)  # encode each image alone (else it runs whole)
+        patcher = dataclasses.replace(patcher, vision_tower=(module_with_config(inner, vision) or "")
+                                      if splits_tower(vision) else "")
     if patcher.language_model:  # a VLM: its language model mixes the merged sequence (the vision tower runs whole)
         target = find_language_model(inner, patcher.language_model)
         if target is None:
@@ -145,7 +155,8 @@ def with_text_record(patcher: Patcher, language_model) -> Patcher:
     (REGISTRY.lookup raises for an unknown or refused one), whose length limit and position rule apply."""
     text = REGISTRY.lookup(language_model.config.model_type)
     return dataclasses.replace(patcher, max_seq_len=text.max_seq_len, max_seq_len_reason=text.max_seq_len_reason,
-                               positions_from_mask=text.positions_from_mask, causal=text.causal)
+                               positions_from_mask=text.positions_from_mask, causal=text.causal,
+                               token_side_inputs=patcher.token_side_inputs + text.token_side_inputs)
 
 
 def _warn_if_verified_elsewhere(patcher: Patcher) -> None:

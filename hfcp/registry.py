@@ -38,12 +38,19 @@ class Patcher:
         language_model: a vision-language model: the module path of its language model in the outer model
             ("model.language_model"), whose attention classes hfcp runs and whose input, the merged sequence, it
             shards; the outer model encodes images, merges them and computes positions whole on every rank
-            (hfcp/vlm_hooks.py). Empty: not a VLM.
+            (hfcp/vlm_hooks.py); "auto": the outermost module whose config is the text config. Empty: not a VLM.
         vision_tower: a VLM whose tower encodes each image on its own: its module path in the outer model
             ("model.vision_tower"); hfcp splits the images over the CP group (hfcp/vision_split.py). Empty: every
-            rank encodes every image.
+            rank encodes every image. "auto": the outermost module whose config is the vision config, split when
+            its vision model_type is one registered as encoding each image alone (hfcp.vision_split
+            .register_per_image_tower), else run whole on every rank.
         positions_from_mask: without position_ids the family derives them from the attention mask
             (cumsum(mask) * mask - 1, as OPT); hfcp computes them so over the whole mask before splitting.
+        token_side_inputs: per-token side inputs of a VLM's language model, as (mask, rows) argument names: `mask`
+            a (B, L) bool tensor over the merged sequence, `rows` a tensor, or a list of tensors, whose dim 0 holds
+            one row per True entry of the mask in row-major order (Qwen3-VL: visual_pos_masks and
+            deepstack_visual_embeds); hfcp gives each rank its tokens' part of both. Any other argument beside the
+            merged sequence is refused.
     """
 
     model_type: str
@@ -63,6 +70,7 @@ class Patcher:
     skip_model_checks: bool = False
     language_model: str = ""
     vision_tower: str = ""
+    token_side_inputs: tuple[tuple[str, str], ...] = ()
 
 
 _HOW_TO_REGISTER = (

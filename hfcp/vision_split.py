@@ -18,6 +18,21 @@ from accelerate.hooks import ModelHook
 
 from .collectives import all_gather
 
+# vision configs' model_types whose towers encode each image on its own (filled by patches/: model knowledge); a
+# record with vision_tower="auto" splits only these, and runs any other tower whole on every rank
+_PER_IMAGE_TOWERS: set[str] = set()
+
+
+def register_per_image_tower(model_type: str) -> None:
+    """Declare that vision towers of config model_type `model_type` encode each image (or Qwen-VL grid) alone, so
+    that hfcp may split their images over the CP group."""
+    _PER_IMAGE_TOWERS.add(model_type)
+
+
+def splits_tower(vision_config) -> bool:
+    """Whether a tower of this vision config is one hfcp splits (register_per_image_tower)."""
+    return getattr(vision_config, "model_type", None) in _PER_IMAGE_TOWERS
+
 
 def _is_per_image(v, n: int) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n
@@ -111,8 +126,11 @@ class VisionTowerSplitHook(ModelHook):
                                  "hfcp splits only towers that encode each image on its own (outputs along dim 0)")
             return all_gather(t, group, 0)[:n]
 
+        def each(v):  # a tuple or list of tensors (hidden states per layer, Qwen3-VL's deepstack features)
+            return type(v)(gather(x) for x in v) if isinstance(v, (tuple, list)) else gather(v)
+
         if isinstance(output, tuple) and not hasattr(output, "keys"):
-            return tuple(tuple(gather(x) for x in v) if isinstance(v, tuple) else gather(v) for v in output)
+            return tuple(each(v) for v in output)
         for name, v in list(output.items()):
-            output[name] = tuple(gather(x) for x in v) if isinstance(v, tuple) else gather(v)
+            output[name] = each(v)
         return output

@@ -1,2 +1,2 @@
 """Model knowledge: one module per family, each registering a short declarative Patcher."""
-from . import dinov2, llama, llama4, mistral, opt, qwen2, qwen3, timesformer, verified, videomae, vit, vivit, vlm  # noqa: F401
+from . import dinov2, llama, llama4, mistral, opt, qwen2, qwen3, timesformer, verified, verified_vlm, videomae, vit, vivit, vlm  # noqa: F401

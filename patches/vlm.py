@@ -1,25 +1,40 @@
 """Vision-language models whose language model reads the merged token sequence (text embeddings with the image
-features scattered in): hfcp shards at the language model's input (hfcp/vlm_hooks.py). The language model's
-attention modules are read from it and checked like any read-from-model family; masks the outer model builds are
-hfcp's predicate or refused at run time. Each type here is tested against the unpatched model (tests/test_vlm.py)."""
+features scattered in): hfcp shards at the language model's input (hfcp/vlm_hooks.py). The language model and the
+vision tower are read from the model ("auto": the outermost modules whose configs are its text and vision configs);
+the language model's attention modules are read from it and checked like any read-from-model family, and masks the
+outer model builds are hfcp's predicate or refused at run time. The tower's images are split over the CP group
+(hfcp/vision_split.py: each image encoded on its own). Each type here is tested against the unpatched model
+(tests/test_vlm.py); patches/verified_vlm.py adds the types the VLM sweep showed exact."""
 from hfcp.registry import Patcher, register_patcher
+from hfcp.vision_split import register_per_image_tower
 
-VLM_TYPES = {  # model_type: (language model, vision tower), module paths in the outer model
-    "llava": ("model.language_model", "model.vision_tower"),     # CLIP / SigLIP tower, projector, any text family
-    "qwen2_vl": ("model.language_model", "model.visual"),        # 3D mRoPE positions from the rope index; its tower
-    "qwen2_5_vl": ("model.language_model", "model.visual"),      # takes every image's patches as one sequence
-    "internvl": ("model.language_model", "model.vision_tower"),  # InternViT tiles, pixel shuffle, projector
-    "idefics3": ("model.text_model", "model.vision_model"),      # pixel shuffle, images per row (B, N, C, H, W)
-    "smolvlm": ("model.text_model", "model.vision_model"),       # the same architecture
-    "gemma3": ("model.language_model", "model.vision_tower"),    # SigLIP; image blocks bidirectional (token_type_ids)
-    "paligemma": ("model.language_model", "model.vision_tower"), # SigLIP; the prefix is one bidirectional block
-}
+# towers that encode each image (or each Qwen-VL grid, attention within it by cu_seqlens) on its own: split over the
+# CP group. Any other tower of a supported VLM runs whole on every rank (exact; its memory does not fall with cp)
+PER_IMAGE_TOWERS = ("clip_vision_model", "siglip_vision_model", "internvl_vision", "idefics3_vision",
+                    "smolvlm_vision", "qwen2_vl_vision", "qwen2_5_vl_vision", "qwen3_vl_vision")
+for _tower in PER_IMAGE_TOWERS:
+    register_per_image_tower(_tower)
 
-for _type, (_language_model, _tower) in VLM_TYPES.items():
+VLM_TYPES = (
+    "llava",       # CLIP / SigLIP tower, projector, any text family
+    "qwen2_vl",    # 3D mRoPE positions from the rope index; its tower takes every image's patches as one sequence
+    "qwen2_5_vl",  # windowed vision attention
+    "qwen3_vl",    # deepstack: vision features added to the first text layers' visual tokens (side inputs)
+    "internvl",    # InternViT tiles, pixel shuffle, projector
+    "idefics3",    # pixel shuffle, images per row (B, N, C, H, W)
+    "smolvlm",     # the same architecture
+    "gemma3",      # SigLIP; image blocks bidirectional (token_type_ids)
+    "paligemma",   # SigLIP; the prefix is one bidirectional block
+)
+
+for _type in VLM_TYPES:
     register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True,
-                             language_model=_language_model, vision_tower=_tower))
+                             language_model="auto", vision_tower="auto"))
 
-# the language models of the Qwen-VL types (a VLM's record takes its text record's family knowledge: there is
-# none to add for these); exact as part of their VLM, tested there
+# the language models of the Qwen-VL types (a VLM's record takes its text record's family knowledge); exact as
+# part of their VLM, tested there. Qwen3-VL's passes per-token side inputs: its visual positions and the deepstack
+# rows for them, split by hfcp with the tokens
 for _type in ("qwen2_vl_text", "qwen2_5_vl_text"):
     register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True))
+register_patcher(Patcher(model_type="qwen3_vl_text", attention_classes=(), read_from_model=True,
+                         token_side_inputs=(("visual_pos_masks", "deepstack_visual_embeds"),)))

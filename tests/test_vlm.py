@@ -2,17 +2,18 @@
 embeddings with image features scattered in, positions from the rope index over the whole input_ids) sharded at
 its language model's input; loss and every gradient (vision tower included) equal the unpatched model."""
 import pytest
+import torch
 
 import workers_vlm as W
 
 CASES = ["one_image", "two_images", "left_padding", "text_only"]
 
 
-KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "internvl", "idefics3", "smolvlm", "gemma3", "paligemma")
+KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl", "idefics3", "smolvlm", "gemma3", "paligemma")
 
 
 @pytest.mark.parametrize("kind, case", [(k, c) for k in KINDS for c in CASES]
-                         + [("qwen2_vl", "video"), ("qwen2_5_vl", "video")])
+                         + [("qwen2_vl", "video"), ("qwen2_5_vl", "video"), ("qwen3_vl", "video")])
 def test_vlm_loss_and_every_gradient_equal_the_unpatched_model(pool2, kind, case):
     for r in pool2.run(W.compare, kind, case):
         assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
@@ -31,7 +32,7 @@ def _split(r, kind, cp):
         assert r["images_seen"] == r["qwen_rows"], r  # the patches of this rank's images (and videos) only
 
 
-@pytest.mark.parametrize("kind", ["llava", "internvl", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["llava", "internvl", "qwen2_5_vl", "qwen3_vl"])
 def test_vlm_vision_tower_split_with_an_image_count_that_does_not_divide(pool2, kind):
     for r in pool2.run(W.compare, kind, "three_images"):  # rank 1 pads its share with a copy, dropped after
         assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["vision_grad_err"] < 1e-4, r
@@ -91,3 +92,25 @@ def test_vlm_takes_its_text_family_knowledge(pool2):
 def test_vlm_ranks_with_other_images_are_refused(pool2):
     for msg in pool2.run(W.refused, "llava", "other_image_on_rank_1"):
         assert "got different batches (pixel_values)" in msg, msg
+
+
+def test_vlm_deepstack_side_inputs_at_cp4_and_with_ulysses(pool4, pool2):
+    # Qwen3-VL: visual_pos_masks and the deepstack rows of each rank's visual tokens (rows in row-major order of
+    # the local mask); rows given to the wrong tokens were 1.4 off in gradients
+    for r in pool4.run(W.compare, "qwen3_vl", "two_images"):
+        assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
+    for r in pool2.run(W.compare, "qwen3_vl", "video", "ulysses"):
+        assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(visual_pos_masks=torch.ones(2, 8, dtype=torch.bool), deepstack_visual_embeds=[torch.zeros(15, 4)]),
+     "for the 16 positions of visual_pos_masks"),
+    (dict(visual_pos_masks=torch.ones(2, 8, dtype=torch.long)), "must be a bool tensor"),
+    (dict(deepstack_visual_embeds=[torch.zeros(3, 4)]), "without visual_pos_masks"),
+])
+def test_vlm_side_inputs_that_do_not_match_the_sequence_are_refused(kw, message):
+    from hfcp.vlm_hooks import check_side_inputs
+
+    with pytest.raises(ValueError, match=message):
+        check_side_inputs(torch.nn.Identity(), kw, (("visual_pos_masks", "deepstack_visual_embeds"),), (2, 8))

@@ -68,6 +68,17 @@ def tiny_vlm(kind: str, text: str | None = None):
                               text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
                               vision_start_token_id=START)
         cls = T.Qwen2VLForConditionalGeneration
+    elif kind == "qwen3_vl":  # deepstack: features of vision layers 0 and 1 added to the first text layers' tokens
+        text = dict(model_type="qwen3_vl_text", **_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                         "mrope_section": [1, 1, 2],
+                                                                         "mrope_interleaved": True})
+        cfg = T.Qwen3VLConfig(vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64,
+                                                 num_heads=2, patch_size=2, spatial_merge_size=2,
+                                                 temporal_patch_size=2, in_channels=3, num_position_embeddings=16,
+                                                 deepstack_visual_indexes=[0, 1]),
+                              text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
+                              vision_start_token_id=START)
+        cls = T.Qwen3VLForConditionalGeneration
     else:  # Qwen2.5-VL: windowed vision attention (a 2 x 2 window of merged patches), one full-attention block
         text = dict(model_type="qwen2_5_vl_text", **_TEXT,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
@@ -100,7 +111,7 @@ def vlm_batch(kind: str, case: str) -> dict:
     ids = torch.randint(3, 88, (B, L), generator=g)
     per_image = 16 if kind in SIXTEEN else 4  # siglip 16x16 / 4: 16 patches; qwen2-vl 1x4x4 patches merged 2x2: 4
     if case == "video":
-        return _video_batch(ids)
+        return _video_batch(ids, frames_apart=kind == "qwen3_vl")
     two = [[2, 21], [4, 23]] if kind in SIXTEEN else [[3, 24], [10, 30]]
     starts = {"one_image": [[5], [18]], "two_images": two, "left_padding": [[12], [4]], "text_only": [[], []],
               "too_few_tokens": [[5], [18]], "other_image_on_rank_1": [[5], [18]], "three_images": [two[0], [18]]}[case]
@@ -139,11 +150,16 @@ def vlm_batch(kind: str, case: str) -> dict:
     return out
 
 
-def _video_batch(ids) -> dict:
+def _video_batch(ids, frames_apart: bool = False) -> dict:
+    """frames_apart: each temporal frame of a video its own span, a text token (Qwen3-VL's timestamp) between."""
     g = torch.Generator().manual_seed(3)
     ids[0, 4:8], ids[0, 3] = IMAGE, START
-    ids[0, 20:28], ids[0, 19] = VIDEO, START
-    ids[1, 9:17], ids[1, 8] = VIDEO, START
+    for row, at in ((0, 20), (1, 9)):
+        ids[row, at - 1] = START
+        if frames_apart:
+            ids[row, at:at + 4], ids[row, at + 5:at + 9], ids[row, at + 4] = VIDEO, VIDEO, 7
+        else:
+            ids[row, at:at + 8] = VIDEO
     types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
     return {"input_ids": ids, "labels": ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100),
             "pixel_values": torch.randn(16, 24, generator=g), "image_grid_thw": torch.tensor([[1, 4, 4]]),

@@ -1,0 +1,42 @@
+"""The VLM sweep over every image-text-to-text type of transformers: exact or refused, never silently wrong, with
+a text-only batch and with images; and its matrix (README, patches/verified_vlm.py) is what a fresh sweep gives."""
+import sys
+from pathlib import Path
+
+import pytest
+
+import sweep_vlms as S
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import support_matrix  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def sweep(pool2):
+    results = pool2.run(S.sweep, timeout=900)
+    assert results[0] == results[1], "the ranks disagree"
+    return results[0]
+
+
+def test_no_vlm_is_silently_wrong_or_crashes(sweep):
+    bad = [r for r in sweep if r["result"] in ("mismatch", "error")]
+    assert not bad, bad
+    exact = {r["type"] for r in sweep if r["result"] == "exact"}
+    assert len(exact) >= 20 and set(support_matrix.vlm_explicit()) <= exact, exact  # every hand-written record
+    split = {r["type"] for r in sweep if r["tower"] == "split over the ranks"}
+    assert {"llava", "qwen2_vl", "qwen3_vl", "gemma3", "idefics3"} <= split, split
+
+
+def test_generated_vlm_matrix_is_current(sweep):
+    import transformers
+
+    from hfcp.patches import verified_vlm
+
+    assert transformers.__version__ == verified_vlm.TRANSFORMERS_VERSION, \
+        "the VLM matrix was made with another transformers: run python scripts/support_matrix.py"
+    types, text = support_matrix.verified_vlms(sweep)
+    assert (list(verified_vlm.VERIFIED), list(verified_vlm.TEXT_TYPES)) == (types, text), \
+        "patches/verified_vlm.py is stale: run python scripts/support_matrix.py"
+    readme = (ROOT / "README.md").read_text()
+    assert support_matrix.render_vlm_table(sweep) in readme, "README's VLM matrix is stale: run scripts/support_matrix.py"
