@@ -89,15 +89,28 @@ def check_arguments(model: str, seq_len: int, data: str | None = None) -> None:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
 
+    if not _is_checkpoint(model) and model in VLM_TYPES():  # a tiny random VLM: checked with text and images
+        if data is not None:
+            raise VerifyError(f"--data {data} needs a checkpoint directory (its tokenizer): the tiny random {model} "
+                              "has no tokenizer; leave out --data", 2)
+        try:
+            built = load_model(model)
+            from .tiny_vlm import image_batch
+
+            image_batch(built, seq_len)
+        except Exception as e:
+            raise VerifyError(f"{_one_line(e)} (hfcp.tiny_vlm builds no tiny random {model} with images of "
+                              f"--seq-len {seq_len}: pass a longer --seq-len or a checkpoint directory)", 1) from e
+        return
     if _is_checkpoint(model):
         try:
             config = transformers.AutoConfig.from_pretrained(model)
         except Exception as e:
             raise VerifyError(f"--model {model}: its config.json does not load ({_one_line(e)})", 2) from e
-        if config.model_type not in CAUSAL_LM:
+        if config.model_type not in CAUSAL_LM and config.model_type not in VLM_TYPES():
             raise VerifyError(f"--model {model}: its config.json has model_type {config.model_type!r}, which has "
-                              f"no causal-LM class in transformers {transformers.__version__} (AutoModelForCausalLM): "
-                              f"pass a causal LM's checkpoint", 2)
+                              f"no causal-LM or image-text-to-text class in transformers {transformers.__version__} "
+                              f"(AutoModelForCausalLM, AutoModelForImageTextToText): pass such a checkpoint", 2)
         if data is not None:
             if not Path(data).is_file():
                 raise VerifyError(f"--data {data}: no such file", 2)
@@ -119,7 +132,7 @@ def check_arguments(model: str, seq_len: int, data: str | None = None) -> None:
             return  # within the positions the config names, or none named: nothing to look for
         try:
             with torch.device("meta"):  # the model's modules, no weights: whether it has a position table
-                built = transformers.AutoModelForCausalLM.from_config(config)
+                built = _auto_class(config.model_type).from_config(config)
         except Exception:
             return  # the workers will say what fails, one line
         what = f"the checkpoint {model}"
@@ -141,26 +154,62 @@ def check_arguments(model: str, seq_len: int, data: str | None = None) -> None:
                  else "a file, not a directory" if Path(model).exists() else "no such directory")
         close = difflib.get_close_matches(model, CAUSAL_LM, n=3)
         hint = f" (close: {', '.join(close)})" if close else ""
-        raise VerifyError(f"--model {model}: {where}, and not a causal-LM model_type of transformers "
-                          f"{transformers.__version__}{hint}: pass a checkpoint directory (with config.json, as "
-                          f"save_pretrained writes) or one of the {len(CAUSAL_LM)} types of "
-                          f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", 2)
+        raise VerifyError(f"--model {model}: {where}, and not a causal-LM or image-text-to-text model_type of "
+                          f"transformers {transformers.__version__}{hint}: pass a checkpoint directory (with "
+                          f"config.json, as save_pretrained writes) or one of the {len(CAUSAL_LM)} types of "
+                          f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or the {len(VLM_TYPES())} of "
+                          f"MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", 2)
     table = position_limit(built)
     if table is not None and seq_len > table[0]:
         raise VerifyError(f"--seq-len {seq_len} is more than the {table[0]} positions of {what} (its position table "
                           f"{table[1]}, max_position_embeddings={table[0]}): pass --seq-len {table[0]} or less", 2)
 
 
+def VLM_TYPES():  # noqa: N802 - a constant of the installed transformers
+    """The image-text-to-text model_types of transformers (a causal-LM type that is also one is verified as an LM)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
+
+    return [t for t in VLM if t not in CAUSAL_LM]
+
+
+def _auto_class(model_type: str):
+    import transformers
+
+    vlm = model_type in VLM_TYPES()
+    return transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
+
+
 def load_model(model: str, dtype=torch.float32):
     """A checkpoint directory, or a model_type (a tiny random model of it)."""
     if _is_checkpoint(model):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
 
-        m = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
-        return m.train()
+        cls = _auto_class(AutoConfig.from_pretrained(model).model_type)
+        return cls.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").train()
+    if model in VLM_TYPES():
+        from .tiny_vlm import tiny_vlm
+
+        return tiny_vlm(model).to(dtype)
     from .tiny import tiny_model
 
     return tiny_model(model).to(dtype)
+
+
+def _is_vlm(model) -> bool:
+    return model.config.model_type in VLM_TYPES()
+
+
+def make_batch(model, seq_len: int, data: str | None) -> dict:
+    """The inputs of the check: (1, seq_len) token ids (token_ids) as input_ids and labels; for a vision-language
+    model, two rows with an image each, built by hand (hfcp.tiny_vlm.image_batch; a checkpoint's ids then come from
+    the tiny vocabulary of placeholders, so a text-only check of its text with --data stays the causal-LM one)."""
+    if _is_vlm(model) and data is None:
+        from .tiny_vlm import image_batch
+
+        return image_batch(model, seq_len)
+    ids = token_ids(model, seq_len, data)
+    return {"input_ids": ids, "labels": ids}
 
 
 def token_ids(model, seq_len: int, data: str | None) -> torch.Tensor:
@@ -189,9 +238,10 @@ def grad_error(got: dict, want: dict) -> float:
     return max(float((got[n] - want[n]).abs().max()) / max(float(want[n].abs().max()), floor) for n in want)
 
 
-def _reference(model_name, ids, dtype):
+def _reference(model_name, batch, dtype):
     model = load_model(model_name, dtype).eval()  # eval: no dropout noise; gradients all the same
-    out = model(input_ids=ids, labels=ids, use_cache=False)
+    batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+    out = model(**batch, use_cache=False)
     out.loss.backward()
     return out.loss.item(), out.logits.detach().double(), _grads(model)
 
@@ -210,16 +260,18 @@ def run_rank(model_name: str, seq_len: int, strategy: str, data: str | None) -> 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     report = Report(model_name, seq_len, cp, strategy, "refused")
     model = load_model(model_name).to(device).eval()
-    ids = token_ids(model, seq_len, data).to(device)
-    ref_loss, ref_logits, ref_grads = _reference(model_name, ids.cpu(), torch.float32)
+    batch = make_batch(model, seq_len, data)
+    ref_loss, ref_logits, ref_grads = _reference(model_name, batch, torch.float32)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the patched step only (the reference ran on the CPU)
     try:
         hfcp.patch(model, strategy=strategy, loss_chunk=1024)  # the chunked loss of training, in eval mode
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(**batch).loss
         loss.backward()
         with torch.no_grad():
-            logits = hfcp.gather_sequence(model(input_ids=ids).logits, model)
+            logits = hfcp.gather_sequence(model(**inputs).logits, model)
     except ValueError as e:  # hfcp's refusals (UnsupportedModelError is one), raised on every rank
         report.reason = str(e)
         return report
@@ -235,7 +287,7 @@ def run_rank(model_name: str, seq_len: int, strategy: str, data: str | None) -> 
     report.logit_err = float((logits.double().cpu() - ref_logits).abs().max() / ref_logits.abs().max())
     exact = report.loss_err < LOSS_TOL and report.grad_err < GRAD_TOL and report.logit_err < LOGIT_TOL
     if not exact:  # decide against float64, which both fp32 computations approximate
-        loss64, logits64, grads64 = _reference(model_name, ids.cpu(), torch.float64)
+        loss64, logits64, grads64 = _reference(model_name, {k: v.cpu() for k, v in batch.items()}, torch.float64)
         report.fp64 = {
             "hfcp": {"loss": abs(loss.item() - loss64) / abs(loss64), "grad": grad_error(grads, grads64),
                      "logits": float((logits.double().cpu() - logits64).abs().max() / logits64.abs().max())},

@@ -172,3 +172,19 @@ def test_a_stream_of_as_many_shards_as_dp_groups_is_refused_not_hung(pool4):
     # accelerate would hand whole shards to DP groups: 5 rows in 2 shards timed out (a hang) at dp 2 x cp 2
     for msg in pool4.run(W.sharded_stream_refused, 2, timeout=120):
         assert msg and "n_shards=2 over 2 DP groups" in msg, msg
+
+
+@pytest.mark.parametrize("with_images", [True, False])
+def test_vlm_lora_fine_tune_cp2_equals_one_process(pool1, pool2, with_images):
+    # HfcpTrainer with LLaVA batches (images at different places; or text-only batches to the VLM), LoRA on the
+    # language model: the losses, gradient norms and eval loss of one process
+    ref = pool1.run(W.vlm_run, 4, None, with_images)[0]
+    assert ref["lora_only_in_language_model"], ref
+    assert len({h["loss"] for h in ref["history"] if "loss" in h}) > 1, ref  # it trains
+    for got in pool2.run(W.vlm_run, 4, None, with_images):
+        assert len(got["history"]) == len(ref["history"])
+        for g, r in zip(got["history"], ref["history"]):
+            for k in ("loss", "grad_norm", "eval_loss"):
+                if k in r:
+                    assert abs(g[k] - r[k]) <= 1e-4 * max(1.0, abs(r[k])), (k, g, r)
+        assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-5 * abs(ref["eval_loss"]), (got, ref)

@@ -58,11 +58,11 @@ BAD_INVOCATIONS = {
         "(its position table transformer.wpe, max_position_embeddings=256): pass --seq-len 256 or less", True),
     "unknown_model_type": (
         lambda tmp: ["--model", "not_a_type"], 2,
-        "hfcp verify: error: --model not_a_type: no such directory, and not a causal-LM model_type of transformers",
+        "hfcp verify: error: --model not_a_type: no such directory, and not a causal-LM or image-text-to-text model_type of transformers",
         True),
     "directory_without_config_json": (
         lambda tmp: ["--model", str(tmp)], 2,
-        "hfcp verify: error: --model {tmp}: a directory without config.json, and not a causal-LM model_type", True),
+        "hfcp verify: error: --model {tmp}: a directory without config.json, and not a causal-LM or image-text-to-text model_type", True),
     "type_of_which_no_tiny_model_is_built": (
         lambda tmp: ["--model", "bart", "--seq-len", "32"], 1,
         "hfcp verify: ValueError: the tiny config still has 3.3M parameters (hfcp.tiny builds no tiny random model "
@@ -92,3 +92,25 @@ def test_verify_bad_invocations_print_one_line_and_exit_nonzero(case, tmp_path):
     assert last.startswith(line.format(tmp=tmp_path, root=ROOT)), last
     if in_parent:  # nothing else printed: no worker started
         assert r.stdout == "" and r.stderr.strip() == last, out[-3000:]
+
+
+@pytest.mark.parametrize("model, strategy", [("llava", "ring"), ("qwen2_vl", "ulysses"), ("checkpoint", "ring")])
+def test_verify_a_vision_language_model_with_images(tmp_path, model, strategy):
+    # a VLM model_type (a tiny random one) or checkpoint directory: two rows with an image each, built by hand
+    if model == "checkpoint":
+        from hfcp.tiny_vlm import tiny_vlm
+
+        tiny_vlm("gemma3").save_pretrained(tmp_path / "ckpt")  # image blocks bidirectional, sliding layers
+        model = str(tmp_path / "ckpt")
+    rc, report, err = _verify("--model", model, "--seq-len", "48", "--cp-size", "2", "--strategy", strategy)
+    assert rc == 0 and report["verdict"] == "exact", (report, err[-2000:])
+    assert report["loss_err"] < 1e-5 and report["grad_err"] < 1e-4 and report["logit_err"] < 1e-4, report
+
+
+def test_verify_a_vision_language_model_hfcp_refuses_or_cannot_fill():
+    rc, report, _ = _verify("--model", "qwen3_vl_moe", "--seq-len", "48", "--cp-size", "2")
+    assert rc == 1 and report["verdict"] == "refused" and "qwen3_vl_moe" in report["reason"], report
+    r = subprocess.run([sys.executable, "-m", "hfcp.cli", "verify", "--model", "llava", "--seq-len", "20",
+                        "--cp-size", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1 and "16 tokens per image do not fit 20" in r.stderr and "longer --seq-len" in r.stderr, \
+        r.stderr

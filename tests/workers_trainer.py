@@ -427,3 +427,50 @@ def sharded_stream_refused(shards: int) -> str | None:
         except ValueError as e:
             return str(e)
     return None
+
+
+class ImageRows(torch.utils.data.Dataset):
+    """n rows of a tiny LLaVA's inputs: 40 tokens with one image (16 placeholder tokens) at a row-dependent place,
+    its pixels, labels off the image; every third row text only (no pixels: its own batch, see vlm_run)."""
+
+    def __init__(self, n: int, seed: int = 0, with_images: bool = True):
+        from workers_vlm import IMAGE
+
+        g = torch.Generator().manual_seed(seed)
+        self.rows = []
+        for i in range(n):
+            ids = torch.randint(3, 88, (40,), generator=g)
+            row = {"input_ids": ids}
+            if with_images:
+                at = 3 + 5 * (i % 4)  # images at different places, some across the zigzag cut
+                ids[at:at + 16] = IMAGE
+                row["pixel_values"] = torch.randn(3, 16, 16, generator=g)
+            row["labels"] = ids.masked_fill(ids == IMAGE, -100)
+            self.rows.append(row)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def vlm_run(per_device: int, cp_size=None, with_images: bool = True):
+    """4 LoRA steps (adapters on the language model's attention only) of a tiny LLaVA, then evaluate: the history."""
+    from peft import LoraConfig, get_peft_model
+
+    from hfcp.integrations import HfcpTrainer
+    from workers_vlm import tiny_vlm
+
+    _reset_accelerate()
+    model = get_peft_model(tiny_vlm("llava"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                         target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+    with tempfile.TemporaryDirectory() as out:
+        trainer = HfcpTrainer(model=model, args=_args(out, per_device), train_dataset=ImageRows(16, 0, with_images),
+                              eval_dataset=ImageRows(6, 1, with_images), cp_size=cp_size)
+        trainer.train()
+        metrics = trainer.evaluate()
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    return {"history": _history(trainer), "eval_loss": metrics["eval_loss"],
+            "lora_only_in_language_model": bool(trainable) and all("language_model" in n and "lora_" in n
+                                                                   for n in trainable)}
