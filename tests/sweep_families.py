@@ -4,6 +4,7 @@ chunked loss) against the unpatched model: loss and every gradient. Each type co
 built (no tiny model could be made from its config). Run on every rank of a 2-process pool."""
 from __future__ import annotations
 
+import copy
 import math
 import sys
 
@@ -49,11 +50,15 @@ def _check(model_type: str, aux_loss: bool = True) -> dict:
 
     out = {"type": model_type}
 
-    def make():
-        m = build(model_type)
-        if not aux_loss:
-            m.config.output_router_logits = False
-        return m
+    built = []
+
+    def make():  # the tiny model, built once per type and copied (the same weights as a rebuild, faster)
+        if not built:
+            m = build(model_type)
+            if not aux_loss:
+                m.config.output_router_logits = False
+            built.append(m)
+        return copy.deepcopy(built[0])
 
     try:
         ref, model = make(), make()

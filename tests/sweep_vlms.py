@@ -8,6 +8,7 @@ them (language model and vision tower read from the model, patches/verified_vlm.
 2-process pool."""
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch.distributed as dist
@@ -27,7 +28,8 @@ def _compare(model_type: str, make_batch) -> dict:
     import hfcp
 
     try:
-        ref, model = tiny_vlm(model_type), tiny_vlm(model_type)
+        ref = tiny_vlm(model_type)
+        model = copy.deepcopy(ref)  # the same weights, without building it again
         data = make_batch(ref)
     except Exception as e:  # noqa: BLE001 - the sweep reports, it does not fail
         return {"result": "not built", "detail": f"{type(e).__name__}: {str(e)[:150]}"}

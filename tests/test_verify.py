@@ -94,7 +94,7 @@ def test_verify_bad_invocations_print_one_line_and_exit_nonzero(case, tmp_path):
         assert r.stdout == "" and r.stderr.strip() == last, out[-3000:]
 
 
-@pytest.mark.parametrize("model, strategy", [("llava", "ring"), ("qwen2_vl", "ulysses"), ("checkpoint", "ring")])
+@pytest.mark.parametrize("model, strategy", [("qwen2_vl", "ulysses"), ("checkpoint", "ring")])
 def test_verify_a_vision_language_model_with_images(tmp_path, model, strategy):
     # a VLM model_type (a tiny random one) or checkpoint directory: two rows with an image each, built by hand
     if model == "checkpoint":
