@@ -50,7 +50,8 @@ def _is(fn, qualname: str) -> bool:
 
 
 def _cell(fn, name: str):
-    cells = dict(zip(getattr(fn, "__code__", None).co_freevars, fn.__closure__ or ())) if hasattr(fn, "__code__") else {}
+    code = getattr(fn, "__code__", None)
+    cells = dict(zip(code.co_freevars, fn.__closure__ or ())) if code is not None else {}
     return cells[name].cell_contents if name in cells else None
 
 
@@ -68,8 +69,9 @@ def _plain_causal(fn) -> tuple[bool, int | None]:
     parts = _closure_parts(fn) if _is(fn, "and_masks.<locals>.and_mask") else ()
     if len(parts) == 2:
         for base, overlay in (parts, parts[::-1]):
-            if base is mu.causal_mask_function and _window_of(overlay) is not None:
-                return True, _window_of(overlay)
+            window = _window_of(overlay)
+            if base is mu.causal_mask_function and window is not None:
+                return True, window
     return False, None
 
 
@@ -101,8 +103,9 @@ def _parse_causal(fn) -> tuple[int | None, torch.Tensor | None, bool] | None:
     if len(parts) == 2:
         for base, overlay in (parts, parts[::-1]):
             ok, inner, ids = _with_blocks(base)
-            if ok and inner is None and _window_of(overlay) is not None:
-                return _window_of(overlay), ids, True
+            window = _window_of(overlay)
+            if ok and inner is None and window is not None:
+                return window, ids, True
     return None
 
 
@@ -130,7 +133,8 @@ def hfcp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_off
 
 
 _REFUSAL = ("hfcp builds attention masks from global token indices and reproduces causal and sliding-window masks "
-            "with key padding and bidirectional blocks (block_sequence_ids) only; {what} cannot be split exactly over the ranks, so it is refused. {todo}")
+            "with key padding and bidirectional blocks (block_sequence_ids) only; {what} cannot be split exactly "
+            "over the ranks, so it is refused. {todo}")
 _TODO_OUTER = ("A vision-language model building its language model's mask is not supported by patching the language "
                "model alone (see README, Support matrix)")
 
