@@ -7,6 +7,12 @@ transformers Trainer with each sequence split over a CP group), launched with ac
 Defaults need nothing from the network: a tiny Llama built from scripts/configs/tiny_llama.json and a
 generated corpus whose documents end by repeating a key given at their start (long-range metric: the
 accuracy of those key characters, teacher-forced, on held-out documents).
+
+    accelerate launch --multi_gpu --num_processes 2 scripts/finetune_lora.py --task video
+
+--task video: a tiny Qwen2-VL (scripts/configs/tiny_qwen2_vl.json, random weights) on generated videos, one
+frame of which is coloured; the question after the video asks for that colour (metric: the share of held-out
+videos answered right, scripts/video_task.py).
 """
 from __future__ import annotations
 
@@ -28,19 +34,24 @@ from finetune_data import (  # noqa: E402
 )
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_llama.json"
+TASK_DEFAULTS = {"text": dict(seq_len=2048, batch_size=1, lr=5e-3, max_steps=800, eval_docs=8),
+                 "video": dict(seq_len=None, batch_size=8, lr=3e-3, max_steps=300, eval_docs=64)}
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=["text", "video"], default="text",
+                    help="text: long documents (key copy); video: a tiny VLM answers a question about a video")
     ap.add_argument("--model", help="local checkpoint directory (default: embedded tiny Llama, random weights)")
     ap.add_argument("--data", help="directory of .txt files or .jsonl with 'text' (default: embedded corpus)")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--batch-size", type=int, default=1, help="rows per CP group per micro-step")
+    ap.add_argument("--seq-len", type=int, help="packed row length (text task; default 2048)")
+    ap.add_argument("--frames", type=int, default=16, help="--task video: frames per video (4 tokens each)")
+    ap.add_argument("--batch-size", type=int, help="rows per CP group per micro-step (default: text 1, video 8)")
     ap.add_argument("--cp-size", type=int, default=None, help="ranks per CP group (default: all processes)")
     ap.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses", "usp"])
     ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=5e-3)
-    ap.add_argument("--max-steps", type=int, default=800)
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: text 5e-3, video 3e-3)")
+    ap.add_argument("--max-steps", type=int, help="optimizer steps (default: text 800, video 300)")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--loss-chunk", type=int, default=1024,
@@ -49,10 +60,22 @@ def parse_args(argv=None):
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: only at the end)")
     ap.add_argument("--resume-from", help="a checkpoint directory written by --save-every")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-docs", type=int, default=8)
+    ap.add_argument("--eval-docs", type=int, help="held-out documents / videos evaluated (default: text 8, video 64)")
     ap.add_argument("--full-finetune", action="store_true",
                     help="train every parameter (no LoRA), sharded with FSDP2 over all processes (scripts/full_finetune.py)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.task == "video":
+        given = [flag for flag, value in (("--model", args.model), ("--data", args.data), ("--seq-len", args.seq_len),
+                                          ("--full-finetune", args.full_finetune)) if value]
+        if given:
+            fail(f"{', '.join(given)}: the video task runs the embedded tiny VLM on generated videos, whose length "
+                 f"follows --frames; {given[0]} is for --task text")
+        if args.frames < 1:
+            fail(f"--frames {args.frames} must be positive")
+    for name, value in TASK_DEFAULTS[args.task].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def fail(msg: str):
@@ -71,8 +94,13 @@ def validate(args, world: int) -> list[str] | None:
     cp = args.cp_size or world
     if cp < 1 or world % cp:
         fail(f"--cp-size {args.cp_size} must divide the number of processes ({world})")
-    if args.seq_len < 2 or args.grad_accum < 1 or args.max_steps < 1:
-        fail(f"--seq-len {args.seq_len}, --grad-accum {args.grad_accum}, --max-steps {args.max_steps} must be positive")
+    if args.grad_accum < 1 or args.max_steps < 1 or args.batch_size < 1:
+        fail(f"--grad-accum {args.grad_accum}, --max-steps {args.max_steps}, --batch-size {args.batch_size} must be "
+             f"positive")
+    if args.task == "video":
+        return None
+    if args.seq_len < 2:
+        fail(f"--seq-len {args.seq_len} must be at least 2")
     config = json.loads(((Path(args.model) / "config.json") if args.model else CONFIG).read_text())
     limit = config.get("max_position_embeddings")
     if limit is not None and args.seq_len > limit:
@@ -98,6 +126,22 @@ def load_model_and_tokenizer(args):
         torch.manual_seed(args.seed)
         model = transformers.LlamaForCausalLM(config)
     return model, tok
+
+
+def video_setup(args):
+    """--task video: the tiny Qwen2-VL, the generated videos (one per row and step; every rank of a CP group gets
+    the same rows), their collator and the held-out answer accuracy."""
+    import transformers
+    import video_task
+
+    config = video_task.load_config()
+    args.seq_len = video_task.seq_len(config, args.frames)
+    torch.manual_seed(args.seed)
+    model = transformers.Qwen2VLForConditionalGeneration(config)
+    dataset = video_task.Videos(max(64, args.max_steps * args.batch_size * args.grad_accum), args.frames, args.seed,
+                                config)
+    return model, dataset, video_task.collate, (
+        "answer", lambda m, device: video_task.answer_accuracy(m, args.frames, args.eval_docs, args.seed, device))
 
 
 def encode_docs(args, tok, texts):
@@ -196,15 +240,20 @@ def main(argv=None):
     import hfcp
     from hfcp.integrations import HfcpTrainer
 
-    model, tok = load_model_and_tokenizer(args)
-    rows = pack(encode_docs(args, tok, texts), args.seq_len)
-    if args.full_finetune:
-        import full_finetune
+    if args.task == "video":
+        model, dataset, collate, metric = video_setup(args)
+    else:
+        model, tok = load_model_and_tokenizer(args)
+        rows = pack(encode_docs(args, tok, texts), args.seq_len)
+        if args.full_finetune:
+            import full_finetune
 
-        full_finetune.train(args, model, tok, rows, Path(args.output_dir), sys.modules[__name__])
-        if int(os.environ.get("RANK", "0")) == 0:
-            plot_losses(Path(args.output_dir))
-        return
+            full_finetune.train(args, model, tok, rows, Path(args.output_dir), sys.modules[__name__])
+            if int(os.environ.get("RANK", "0")) == 0:
+                plot_losses(Path(args.output_dir))
+            return
+        dataset, collate = Rows(rows), None
+        metric = ("key", lambda m, device: long_range_accuracy(m, tok, args, device))
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # random-weight default: its embeddings carry no meaning yet, so they train too (a real checkpoint: LoRA only)
@@ -222,7 +271,7 @@ def main(argv=None):
         save_steps=args.save_every or args.max_steps, seed=args.seed, data_seed=args.seed, report_to=[],
         use_cpu=not torch.cuda.is_available(), dataloader_drop_last=False, ddp_find_unused_parameters=False,
     )
-    trainer = HfcpTrainer(model=model, args=training, train_dataset=Rows(rows), cp_size=args.cp_size,
+    trainer = HfcpTrainer(model=model, args=training, train_dataset=dataset, data_collator=collate, cp_size=args.cp_size,
                           strategy=args.strategy, loss_chunk=args.loss_chunk or None)
     acc, device = trainer.accelerator, trainer.args.device
     dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)
@@ -234,19 +283,22 @@ def main(argv=None):
     trainer.add_callback(make_recorder(out_dir, start_step, args.seq_len * args.batch_size * args.grad_accum * dp_size,
                                        device, acc.is_main_process))
 
-    before = long_range_accuracy(model, tok, args, device)
+    name, accuracy = metric
+    before = accuracy(model, device)
     acc.print(f"hfcp: {acc.num_processes} processes, dp={dp_size} x cp={acc.num_processes // dp_size}, "
-              f"strategy={args.strategy}, {len(rows)} rows of {args.seq_len} tokens; key accuracy before: {before:.3f}")
+              f"strategy={args.strategy}, {len(dataset)} rows of {args.seq_len} tokens; {name} accuracy before: "
+              f"{before:.3f}")
     trainer.train(resume_from_checkpoint=args.resume_from)
     if acc.is_main_process:
         model.save_pretrained(out_dir / "adapter")
     same = adapter_identical_on_all_ranks(acc, model)
-    after = long_range_accuracy(model, tok, args, device)
-    acc.print(f"key accuracy after: {after:.3f} (before {before:.3f}); adapter identical on all ranks: {same}; "
+    after = accuracy(model, device)
+    acc.print(f"{name} accuracy after: {after:.3f} (before {before:.3f}); adapter identical on all ranks: {same}; "
               f"adapter and metrics in {out_dir}")
     if acc.is_main_process:
         (out_dir / "summary.json").write_text(json.dumps(
-            {"key_accuracy_before": before, "key_accuracy_after": after, "adapter_identical_on_all_ranks": same}))
+            {f"{name}_accuracy_before": before, f"{name}_accuracy_after": after,
+             "adapter_identical_on_all_ranks": same}))
         plot_losses(out_dir)
     acc.wait_for_everyone()
 

@@ -84,6 +84,8 @@ def test_saved_adapter_loads_with_peft(runs):
     (["--data", "{empty}"], {}, "found no text"),
     (["--seq-len", "100000"], {}, "--seq-len 100000 exceeds the model's max_position_embeddings=8192"),
     (["--cp-size", "3"], {"WORLD_SIZE": "2"}, "--cp-size 3 must divide the number of processes (2)"),
+    (["--task", "video", "--seq-len", "512"], {}, "--seq-len: the video task runs the embedded tiny VLM"),
+    (["--task", "video", "--frames", "0"], {}, "--frames 0 must be positive"),
 ])
 def test_bad_input_one_line_error(tmp_path, args, env, message):
     args = [a.replace("{empty}", str(tmp_path)) for a in args]
@@ -91,3 +93,25 @@ def test_bad_input_one_line_error(tmp_path, args, env, message):
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert message in last and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+VIDEO = ["--task", "video", "--frames", "8", "--batch-size", "2", "--max-steps", "3", "--lora-r", "4",
+         "--eval-docs", "2"]
+
+
+def test_video_task_cp2_losses_equal_single_process(tmp_path):
+    """--task video: a tiny Qwen2-VL on generated videos (the vision tower split over the CP group): the losses of
+    2 processes (cp 2) are those of one process, and the summary reports the answer accuracy."""
+    single = _run([sys.executable, SCRIPT, *VIDEO, "--output-dir", str(tmp_path / "single")])
+    assert single.returncode == 0, single.stderr[-3000:]
+    cp = _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", SCRIPT, *VIDEO,
+               "--output-dir", str(tmp_path / "cp2")])
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    a, b = _losses(tmp_path / "single"), _losses(tmp_path / "cp2")
+    assert len(a) == len(b) == 3 and a[0] > 1.0, (a, b)  # the first answers are guesses
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-5 * abs(x), (a, b)
+    summary = json.loads((tmp_path / "cp2" / "summary.json").read_text())
+    assert {"answer_accuracy_before", "answer_accuracy_after"} <= summary.keys()
+    assert summary["adapter_identical_on_all_ranks"] is True
