@@ -17,7 +17,7 @@ from .introspect import (interface_attention_classes, logit_transform, not_throu
                          router_aux_loss)
 from . import rope, vision_hooks, vlm_hooks
 from .lm_hooks import ShardSequenceHook
-from .vision_split import VisionTowerSplitHook, splits_tower
+from .vision_split import VisionTowerSplitHook, splits_frames, splits_tower
 from .vlm_hooks import LanguageModelHook, find_language_model, module_with_config
 from .linear_ce import IDENTITY, LogitTransform
 from .layout import StepBatch
@@ -283,7 +283,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             add_hook_to_module(module, hook, append=True)
         state.outer_forward = vlm_hooks.clear_layout_after(inner, state)
         if patcher.vision_tower:  # each rank encodes its share of the images
-            state.hooks.append((inner.get_submodule(patcher.vision_tower), VisionTowerSplitHook(state)))
+            tower = inner.get_submodule(patcher.vision_tower)
+            state.hooks.append((tower, VisionTowerSplitHook(state, splits_frames(getattr(tower, "config", None)))))
             add_hook_to_module(state.hooks[-1][0], state.hooks[-1][1], append=True)
     else:
         state.hooks = [(inner, ShardSequenceHook(state))]

@@ -156,3 +156,36 @@ def image_batch(model, length: int = 48) -> dict:
     return {**out, **pixels}
 
 
+
+
+def video_batch(model, length: int = 48) -> dict:
+    """Two rows of text with a video of 4 frames each (as (videos, frames, C, H, W) pixel_values_videos): row 0
+    early, row 1 across the middle; the rows grow to fit the videos' tokens, read from get_video_features.
+
+    Raises:
+        ValueError: the model takes no such videos.
+    """
+    cfg, v = model.config, model.config.vision_config
+    video_id = next((x for k in ("video_token_id", "video_token_index") if isinstance(x := getattr(cfg, k, None), int)),
+                    None)
+    if video_id is None or not _accepts(model, "pixel_values_videos"):
+        raise ValueError(f"{cfg.model_type} takes no pixel_values_videos")
+    size = v.image_size if isinstance(v.image_size, int) else v.image_size[0]
+    g = torch.Generator().manual_seed(6)
+    videos = torch.randn(2, 4, getattr(v, "num_channels", 3), size, size, generator=g)
+    with torch.no_grad():
+        feats = model.model.get_video_features(pixel_values_videos=videos, return_dict=True)
+    feats = getattr(feats, "pooler_output", feats)
+    if isinstance(feats, (list, tuple)):
+        feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+    n = feats.reshape(-1, feats.shape[-1]).shape[0] // 2  # tokens per video
+    L = max(length, 2 * n + 8)
+    out = text_batch(model, L)
+    ids = out["input_ids"]
+    for row, at in enumerate((4, L // 2 - n // 2)):
+        ids[row, at:at + n] = video_id
+    out["labels"] = ids.masked_fill(ids == video_id, -100)
+    out["labels"][:, :3] = -100
+    if "mm_token_type_ids" in out:
+        out["mm_token_type_ids"] = 2 * (ids == video_id).int()
+    return {**out, "pixel_values_videos": videos}

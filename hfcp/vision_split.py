@@ -2,7 +2,9 @@
 
 Towers of two kinds: those called with images along dim 0 (CLIP, SigLIP, InternViT), and Qwen-VL's, called with
 every image's patches as one (patches, D) sequence and a `grid_thw` row per image (attention stays within each image,
-outputs are rows per patch or per merged patch): both are split by images.
+outputs are rows per patch or per merged patch): both are split by images. A patch-sequence tower registered as
+encoding each temporal frame alone (Qwen-VL's: attention, windows and position embeddings within a frame) is split
+by frames: a video's grid row (t, h, w) is t units (1, h, w), so one long video is shared over the group too.
 
 For towers that encode each image on its own (images along dim 0 of every per-image input),
 each rank of the CP group encodes ceil(n / cp) of the n images (the last ranks' shares padded with copies of the
@@ -21,17 +23,26 @@ from .collectives import all_gather
 # vision configs' model_types whose towers encode each image on its own (filled by patches/: model knowledge); a
 # record with vision_tower="auto" splits only these, and runs any other tower whole on every rank
 _PER_IMAGE_TOWERS: set[str] = set()
+_PER_FRAME_TOWERS: set[str] = set()  # of those, patch-sequence towers that encode each temporal frame alone
 
 
-def register_per_image_tower(model_type: str) -> None:
+def register_per_image_tower(model_type: str, frames_alone: bool = False) -> None:
     """Declare that vision towers of config model_type `model_type` encode each image (or Qwen-VL grid) alone, so
-    that hfcp may split their images over the CP group."""
+    that hfcp may split their images over the CP group; frames_alone: a patch-sequence tower whose output for a
+    grid (t, h, w) is that of its t frames (1, h, w) encoded one by one, so that a video's frames are split too."""
     _PER_IMAGE_TOWERS.add(model_type)
+    if frames_alone:
+        _PER_FRAME_TOWERS.add(model_type)
 
 
 def splits_tower(vision_config) -> bool:
     """Whether a tower of this vision config is one hfcp splits (register_per_image_tower)."""
     return getattr(vision_config, "model_type", None) in _PER_IMAGE_TOWERS
+
+
+def splits_frames(vision_config) -> bool:
+    """Whether hfcp splits this tower's videos by frames (register_per_image_tower(..., frames_alone=True))."""
+    return getattr(vision_config, "model_type", None) in _PER_FRAME_TOWERS
 
 
 def _is_per_image(v, n: int) -> bool:
@@ -41,8 +52,8 @@ def _is_per_image(v, n: int) -> bool:
 class VisionTowerSplitHook(ModelHook):
     """pre_forward: this rank's share of the images; post_forward: every image's outputs, gathered."""
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, state, frames_alone: bool = False):
+        self.state, self.frames_alone = state, frames_alone
         self._n = self._k = None
         self._grid = None  # a patch-sequence tower's call: (per-image patches, this rank's images, every rank's)
 
@@ -68,13 +79,16 @@ class VisionTowerSplitHook(ModelHook):
         return tuple(share(a) for a in args), {name: share(v) for name, v in kwargs.items()}
 
     def _split_patches(self, module, args, kwargs, grid):
-        """Qwen-VL: rows of pixel patches, grid_thw (n, 3); each rank takes the patches of its images."""
+        """Qwen-VL: rows of pixel patches, grid_thw (n, 3); each rank takes the patches of its images (or frames)."""
         cp, rank = self.state.mesh.cp_size, self.state.mesh.cp_rank
         patches = args[0] if args else kwargs.get("hidden_states")
-        sizes = grid.prod(-1).tolist()  # patches per image
-        if not isinstance(patches, torch.Tensor) or patches.shape[0] != sum(sizes):
-            raise ValueError(f"{type(module).__name__}: {sum(sizes)} patches in grid_thw but pixel rows of shape "
+        total = int(grid.prod(-1).sum())
+        if not isinstance(patches, torch.Tensor) or patches.shape[0] != total:
+            raise ValueError(f"{type(module).__name__}: {total} patches in grid_thw but pixel rows of shape "
                              f"{tuple(getattr(patches, 'shape', ()))}")
+        if self.frames_alone and grid.dim() == 2 and grid.shape[-1] == 3:  # each frame a unit: (t, h, w) -> t x (1, h, w)
+            grid = torch.cat([torch.ones_like(grid[:, :1]), grid[:, 1:]], 1).repeat_interleave(grid[:, 0], dim=0)
+        sizes = grid.prod(-1).tolist()  # patches per unit
         n = len(sizes)
         k = -(-n // cp)
         shares = [[i if i < n else 0 for i in range(r * k, (r + 1) * k)] for r in range(cp)]  # padded with image 0

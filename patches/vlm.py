@@ -11,9 +11,14 @@ from hfcp.vision_split import register_per_image_tower
 # towers that encode each image (or each Qwen-VL grid, attention within it by cu_seqlens) on its own: split over the
 # CP group. Any other tower of a supported VLM runs whole on every rank (exact; its memory does not fall with cp)
 PER_IMAGE_TOWERS = ("clip_vision_model", "siglip_vision_model", "internvl_vision", "idefics3_vision",
-                    "smolvlm_vision", "qwen2_vl_vision", "qwen2_5_vl_vision", "qwen3_vl_vision")
+                    "smolvlm_vision")
+# Qwen-VL towers: patch embedding, attention (cu_seqlens and windows) and position embeddings all within each
+# temporal frame, so a video's frames are split too (one long video shared over the group)
+PER_FRAME_TOWERS = ("qwen2_vl_vision", "qwen2_5_vl_vision", "qwen3_vl_vision")
 for _tower in PER_IMAGE_TOWERS:
     register_per_image_tower(_tower)
+for _tower in PER_FRAME_TOWERS:
+    register_per_image_tower(_tower, frames_alone=True)
 
 VLM_TYPES = (
     "llava",       # CLIP / SigLIP tower, projector, any text family

@@ -1,12 +1,16 @@
-"""A many-image VLM training step (forward + backward of every parameter) under CP: per-rank peak memory and step
-time, with the vision tower's work split over the CP group (hfcp's default) and with every rank encoding every image
+"""A VLM training step under CP: per-rank peak memory and step time, the vision tower's part (its forward) reported
+separately, with the tower's work split over the CP group (hfcp's default) and with every rank encoding every image
 (as peers do), against one process.
 
     python scripts/bench_vlm.py                          # cp 1, 2, 4; 48 images of 64 x 64 (3072 image tokens)
     python scripts/bench_vlm.py --images 96 --cps 1 2
+    python scripts/bench_vlm.py --video 512              # a LoRA step on a video of 512 frames of 32 x 32 (4096 tokens)
 
-Each measurement runs in its own processes (torchrun for cp > 1); a tiny-width LLaVA (SigLIP tower, Llama text
-model, random weights) so that the vision tower is a large part of the step, as in long-video fine-tuning.
+Images: a tiny-width LLaVA (SigLIP tower, Llama text model, random weights), forward + backward of every parameter,
+so that the vision tower is a large part of the step. --video: a Qwen2-VL of the same widths (its tower takes two
+raw frames per temporal patch and merges 2 x 2 patches: 16 tokens per temporal patch), LoRA (r 16) on the language
+model's projections, as in long-video fine-tuning; the tower is frozen, so its part is its forward. Each
+measurement runs in its own processes (torchrun for cp > 1).
 """
 from __future__ import annotations
 
@@ -22,6 +26,55 @@ HERE = Path(__file__).resolve().parent
 
 
 def build(args):
+    return build_video(args) if args.video else build_images(args)
+
+
+def build_video(args):
+    """A Qwen2-VL with LoRA on its language model, one row: 8 text tokens, the video, 64 text tokens (the targets)."""
+    import torch
+    import transformers as T
+    from peft import LoraConfig, get_peft_model
+
+    heads = 4
+    text = dict(model_type="qwen2_vl_text", vocab_size=512, hidden_size=args.width, intermediate_size=4 * args.width,
+                num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=2,
+                max_position_embeddings=1 << 16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": _mrope(args.width // heads)})
+    vision = dict(depth=args.layers, embed_dim=args.width, num_heads=heads, hidden_size=args.width, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    cfg = T.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=501, video_token_id=500,
+                          vision_start_token_id=502, vision_end_token_id=503)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = T.Qwen2VLForConditionalGeneration(cfg).train()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                             target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)"))
+    steps, side = args.video // 2, 32 // 4  # temporal patches, patches per side
+    video = steps * (side // 2) ** 2
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 400, (1, 8 + 2 + video + 64), generator=g)
+    ids[0, 8], ids[0, 9:9 + video], ids[0, 9 + video] = 502, 500, 503
+    labels = torch.full_like(ids, -100)
+    labels[0, -64:] = ids[0, -64:]
+    return model, {"input_ids": ids, "labels": labels, "mm_token_type_ids": 2 * (ids == 500).int(),
+                   "pixel_values_videos": torch.randn(steps * side * side, 3 * 2 * 4 * 4, generator=g),
+                   "video_grid_thw": torch.tensor([[steps, side, side]])}
+
+
+def _mrope(head_dim: int) -> list[int]:
+    """Qwen2-VL's 3-D rope sections (time, height, width) over head_dim / 2 frequencies, in its 16:24:24 ratio."""
+    half = head_dim // 2
+    t = half // 4
+    return [t, (half - t) // 2, half - t - (half - t) // 2]
+
+
+def tower(model):
+    """The vision tower module (LLaVA's vision_tower, Qwen2-VL's visual), under a PEFT wrapper or not."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(inner.model, "vision_tower", None) or inner.model.visual
+
+
+def build_images(args):
     import torch
     import transformers as T
 
@@ -66,8 +119,10 @@ def measure(args) -> None:
         if not args.split:  # every rank encodes every image, as peers do
             import dataclasses
 
-            REGISTRY._patchers["llava"] = dataclasses.replace(REGISTRY.get("llava"), vision_tower="")
+            kind = "qwen2_vl" if args.video else "llava"
+            REGISTRY._patchers[kind] = dataclasses.replace(REGISTRY.get(kind), vision_tower="")
         hfcp.patch(model)
+    vision = VisionPart(tower(model))
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -76,28 +131,56 @@ def measure(args) -> None:
         return loss.item()
 
     loss = step()  # warm-up
-    times, mems = [], []
+    times, mems, vision_times, vision_mems = [], [], [], []
     for _ in range(args.repeats):
         with PeakRSS(torch.device("cpu")) as mem:
             t = time.perf_counter()
             loss = step()
             times.append(time.perf_counter() - t)
         mems.append(mem.growth / 2**20)
-    result = {"cp": args.cp, "split": bool(args.split and args.cp > 1), "images": args.images,
+        vision_times.append(vision.time_s)
+        vision_mems.append(vision.mem_mb)
+    result = {"cp": args.cp, "split": bool(args.split and args.cp > 1), "images": args.images, "frames": args.video,
               "tokens": batch["input_ids"].shape[1], "time_s": sorted(times)[len(times) // 2],
-              "peak_mem_mb": max(mems), "loss": loss}
+              "vision_s": sorted(vision_times)[len(times) // 2], "peak_mem_mb": max(mems),
+              "vision_mem_mb": max(vision_mems), "loss": loss}
     if args.cp > 1:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, result["peak_mem_mb"])
-        result["peak_mem_mb"] = max(every)  # the worst rank
+        for key in ("peak_mem_mb", "vision_mem_mb", "vision_s"):
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, result[key])
+            result[key] = max(every)  # the worst rank
         if dist.get_rank() != 0:
             return
     print("RESULT " + json.dumps(result), flush=True)
 
 
+class VisionPart:
+    """The vision tower's forward in each step, timed and its peak memory growth sampled, by module hooks (with the
+    tower split, the gather of its outputs over the CP group is part of it)."""
+
+    def __init__(self, module):
+        from bench_step import PeakRSS
+        import torch
+
+        self.time_s, self.mem_mb, self._mem, self._t = 0.0, 0.0, None, 0.0
+
+        def start(*_):
+            self._mem = PeakRSS(torch.device("cpu")).__enter__()
+            self._t = time.perf_counter()
+
+        def stop(*_):
+            self.time_s = time.perf_counter() - self._t
+            self._mem.__exit__(None, None, None)
+            self.mem_mb = self._mem.growth / 2**20
+
+        module.register_forward_pre_hook(start)
+        module.register_forward_hook(stop)
+
+
 def run(args, cp: int, split: bool) -> dict | None:
     own = [str(HERE / "bench_vlm.py"), "--one", "--cp", str(cp), "--images", str(args.images), "--width",
-           str(args.width), "--layers", str(args.layers), "--repeats", str(args.repeats)] + (["--split"] if split else [])
+           str(args.width), "--layers", str(args.layers), "--repeats", str(args.repeats), "--video", str(args.video)] + (
+        ["--split"] if split else [])
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"] + own
            if cp > 1 else [sys.executable] + own)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -112,6 +195,7 @@ def run(args, cp: int, split: bool) -> dict | None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", type=int, default=48)
+    ap.add_argument("--video", type=int, default=0, help="frames of one video (Qwen2-VL, LoRA) instead of images")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
@@ -120,6 +204,8 @@ def main():
     ap.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.video % 2 or args.video < 0:
+        raise SystemExit(f"bench_vlm.py: --video {args.video}: give an even number of frames (two per temporal patch)")
     if args.one:
         return measure(args)
     rows = []
@@ -130,13 +216,16 @@ def main():
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     base = next((r for r in rows if r["cp"] == 1), None)
-    print(f"\n{rows[0]['images'] if rows else args.images} images, {rows[0]['tokens'] if rows else '?'} tokens\n")
-    print("| cp | vision tower | step (s) | peak memory per rank (MB) | x one process | loss |")
-    print("|---|---|---|---|---|---|")
+    what = f"a video of {args.video} frames" if args.video else f"{args.images} images"
+    print(f"\n{what}, {rows[0]['tokens'] if rows else '?'} tokens\n")
+    print("| cp | vision tower | step (s) | vision part (s) | peak memory per rank (MB) | x one process "
+          "| vision part's peak (MB) | loss |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        tower = "one process" if r["cp"] == 1 else ("split over the ranks" if r["split"] else "whole on every rank")
+        where = "one process" if r["cp"] == 1 else ("split over the ranks" if r["split"] else "whole on every rank")
         ratio = f"{r['peak_mem_mb'] / base['peak_mem_mb']:.2f}" if base else "-"
-        print(f"| {r['cp']} | {tower} | {r['time_s']:.2f} | {r['peak_mem_mb']:.0f} | {ratio} | {r['loss']:.6f} |")
+        print(f"| {r['cp']} | {where} | {r['time_s']:.2f} | {r['vision_s']:.2f} | {r['peak_mem_mb']:.0f} | {ratio} "
+              f"| {r['vision_mem_mb']:.0f} | {r['loss']:.6f} |")
 
 
 if __name__ == "__main__":

@@ -46,11 +46,20 @@ def test_gpu_check_is_valid_bash_and_refuses_without_a_gpu():
     assert r.returncode != 0 and "no CUDA GPU here" in r.stderr, r.stderr[-2000:]
 
 
-def test_bench_vlm_runs_and_the_split_keeps_the_loss():
-    r = _run([sys.executable, "scripts/bench_vlm.py", "--images", "4", "--cps", "1", "2", "--repeats", "1",
-              "--width", "64", "--layers", "1"])
+def _bench_vlm_rows(*args):
+    r = _run([sys.executable, "scripts/bench_vlm.py", *args, "--repeats", "1", "--width", "64", "--layers", "1"])
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
-    assert [row[2].strip() for row in rows] == ["one process", "split over the ranks", "whole on every rank"], r.stdout
-    losses = [float(row[6]) for row in rows]
+    return [row[2].strip() for row in rows], [float(row[8]) for row in rows], r.stdout
+
+
+def test_bench_vlm_runs_and_the_split_keeps_the_loss():
+    towers, losses, out = _bench_vlm_rows("--images", "4", "--cps", "1", "2")
+    assert towers == ["one process", "split over the ranks", "whole on every rank"], out
     assert max(losses) - min(losses) <= 1e-5 * losses[0], losses
+
+
+def test_bench_vlm_video_lora_step_keeps_the_loss():
+    towers, losses, out = _bench_vlm_rows("--video", "8", "--cps", "2")
+    assert towers == ["split over the ranks", "whole on every rank"] and "a video of 8 frames" in out, out
+    assert abs(losses[0] - losses[1]) <= 1e-5 * losses[0], losses

@@ -58,3 +58,17 @@ def test_sft_lora_with_a_trained_head_cp2_equals_one_process(pool1, pool2):
     ref = pool1.run(W.sft_run, 4, None, None, False, True)[0]
     for got in pool2.run(W.sft_run, 4, None, None, False, True):
         assert_same(got, ref)
+
+
+def test_sft_vision_dataset_with_trl_collator_cp2_equals_one_process(pool1, pool2):
+    """TRL's vision SFT: a dataset of PIL images and text, TRL's DataCollatorForVisionLanguageModeling with a LLaVA
+    processor (rows with 0, 1 and 2 images of different sizes, right padding), LoRA on the language model."""
+    ref = pool1.run(W.vlm_sft_run, 2)[0]
+    assert len(ref["history"]) == 4 and sum(ref["images_encoded"]) >= 8, ref  # the collator's pixel values reached it
+    for got in pool2.run(W.vlm_sft_run, 2):
+        assert sum(got["images_encoded"]) < sum(ref["images_encoded"]), got  # each rank encoded its share
+        for g, r in zip(got["history"], ref["history"]):
+            assert g.keys() == r.keys(), (g, r)
+            for k in g:
+                assert abs(g[k] - r[k]) <= 2e-5 * max(1.0, abs(r[k])), (k, got, ref)
+        assert abs(got["eval_loss"] - ref["eval_loss"]) <= 2e-5 * ref["eval_loss"], (got, ref)

@@ -39,6 +39,33 @@ def test_vlm_vision_tower_split_with_an_image_count_that_does_not_divide(pool2, 
         _split(r, kind, 2)
 
 
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_vlm_one_video_split_by_frames(pool2, kind):
+    """A single video is one grid row (4, 4, 4): the Qwen-VL towers encode each temporal frame alone, so each rank
+    encodes 2 of its 4 frames (with the split by images, every rank encoded the whole video)."""
+    for r in pool2.run(W.compare, kind, "one_video"):
+        assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["vision_grad_err"] < 1e-4, r
+        assert r["images_seen"] == r["qwen_rows"] == [32], r
+
+
+def test_vlm_one_video_split_by_frames_at_cp4(pool4):
+    for r in pool4.run(W.compare, "qwen2_5_vl", "one_video"):
+        assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["vision_grad_err"] < 1e-4, r
+        assert r["images_seen"] == [16], r  # one frame per rank
+
+
+@pytest.mark.parametrize("model_type", ["llava_next_video", "llava_onevision", "video_llava"])
+def test_vlm_videos_of_frame_towers(pool2, model_type):
+    """LLaVA-NeXT-Video, LLaVA-OneVision and Video-LLaVA encode a video's frames with their image tower (along dim 0,
+    so split over the ranks) and pool or concatenate them: two rows with a video of 4 frames each, one straddling
+    the zigzag cut (the tiny models of the VLM sweep)."""
+    import sweep_vlms
+    from hfcp.tiny_vlm import video_batch
+
+    for r in pool2.run(sweep_vlms._compare, model_type, video_batch):
+        assert r["result"] == "exact", r
+
+
 @pytest.mark.parametrize("kind, strategy", [("qwen2_vl", "allgather"), ("qwen2_vl", "ulysses"),
                                             ("gemma3", "ulysses"), ("paligemma", "allgather")])
 def test_vlm_other_strategies(pool2, kind, strategy):

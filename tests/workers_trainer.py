@@ -474,3 +474,70 @@ def vlm_run(per_device: int, cp_size=None, with_images: bool = True):
     return {"history": _history(trainer), "eval_loss": metrics["eval_loss"],
             "lora_only_in_language_model": bool(trainable) and all("language_model" in n and "lora_" in n
                                                                    for n in trainable)}
+
+
+def vlm_processor():
+    """A LLaVA processor for workers_vlm's tiny LLaVA, built offline: word_tokenizer's words with "<image>" (id 90),
+    and a SigLIP image processor to 16 x 16 (each image becomes 16 placeholder tokens)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlavaProcessor, PreTrainedTokenizerFast, SiglipImageProcessorPil
+
+    vocab = {f"t{i}": i for i in range(60)} | {"<pad>": 60, "<eos>": 61, "<bos>": 62, "<unk>": 63, "<image>": 90}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                  unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
+    template = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> "
+                "{% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}")
+    return LlavaProcessor(image_processor=SiglipImageProcessorPil(size={"height": 16, "width": 16}), tokenizer=tok,
+                          patch_size=4, vision_feature_select_strategy="full", image_token="<image>",
+                          num_additional_image_tokens=0, chat_template=template)
+
+
+def image_text_rows(n: int, seed: int):
+    """TRL's conversational vision format: "images" (PIL images, 0 to 2 per row, of different sizes) and "messages"
+    (a user turn and an assistant turn; TRL puts the images before the user's text)."""
+    import datasets
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    words = lambda k: " ".join(f"t{int(i)}" for i in torch.randint(0, 60, (k,), generator=g))  # noqa: E731
+    rows = []
+    for i in range(n):
+        count = i % 3
+        images = [Image.fromarray(torch.randint(0, 256, (int(torch.randint(12, 30, (1,), generator=g)), 20, 3),
+                                                generator=g, dtype=torch.uint8).numpy()) for _ in range(count)]
+        turns = [words(int(torch.randint(2, 9, (1,), generator=g))) for _ in range(2)]
+        rows.append({"images": images, "messages": [{"role": "user", "content": turns[0]},
+                                                    {"role": "assistant", "content": turns[1]}]})
+    return datasets.Dataset.from_list(rows)
+
+
+def vlm_sft_run(per_device: int, cp_size=None):
+    """4 steps of HfcpSFTTrainer on a tiny LLaVA with TRL's vision collator (its processor makes the pixel values
+    and expands each "<image>"), LoRA on the language model: the history and the eval loss."""
+    from peft import LoraConfig
+    from trl import SFTConfig
+
+    from hfcp.integrations import HfcpSFTTrainer
+    from workers_vlm import tiny_vlm
+
+    _reset_accelerate()
+    model, images_encoded = tiny_vlm("llava"), []
+    model.model.vision_tower.embeddings.register_forward_pre_hook(  # inside the split
+        lambda m, a: images_encoded.append(a[0].shape[0]))
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
+                         max_steps=4, learning_rate=3e-3, warmup_steps=1, logging_steps=1, report_to=[],
+                         save_strategy="no", seed=0, data_seed=0, bf16=False, use_cpu=True, disable_tqdm=True,
+                         max_length=None)
+        trainer = HfcpSFTTrainer(model=model, args=args, processing_class=vlm_processor(),
+                                 train_dataset=image_text_rows(12, 0), eval_dataset=image_text_rows(6, 1),
+                                 peft_config=LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                        target_modules=r".*language_model.*\.(q_proj|v_proj)"),
+                                 cp_size=cp_size)
+        trainer.train()
+        metrics = trainer.evaluate()
+    keys = ("loss", "grad_norm", "mean_token_accuracy", "entropy", "num_tokens")
+    return {"history": [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history if "loss" in h],
+            "eval_loss": metrics["eval_loss"], "images_encoded": images_encoded}

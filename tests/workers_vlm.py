@@ -112,6 +112,8 @@ def vlm_batch(kind: str, case: str) -> dict:
     per_image = 16 if kind in SIXTEEN else 4  # siglip 16x16 / 4: 16 patches; qwen2-vl 1x4x4 patches merged 2x2: 4
     if case == "video":
         return _video_batch(ids, frames_apart=kind == "qwen3_vl")
+    if case == "one_video":
+        return _one_video_batch(ids, frames_apart=kind == "qwen3_vl")
     two = [[2, 21], [4, 23]] if kind in SIXTEEN else [[3, 24], [10, 30]]
     starts = {"one_image": [[5], [18]], "two_images": two, "left_padding": [[12], [4]], "text_only": [[], []],
               "too_few_tokens": [[5], [18]], "other_image_on_rank_1": [[5], [18]], "three_images": [two[0], [18]]}[case]
@@ -167,6 +169,21 @@ def _video_batch(ids, frames_apart: bool = False) -> dict:
             "mm_token_type_ids": types}
 
 
+def _one_video_batch(ids, frames_apart: bool = False) -> dict:
+    """One video of 4 temporal patches (8 frames) of 4 x 4, 16 merged tokens, in row 1 only: the tower splits its
+    frames over the ranks."""
+    g = torch.Generator().manual_seed(5)
+    at = 10
+    ids[1, at - 1] = START
+    for frame in range(4):
+        start = at + frame * (5 if frames_apart else 4)
+        ids[1, start:start + 4] = VIDEO
+        if frames_apart and frame < 3:
+            ids[1, start + 4] = 7  # Qwen3-VL's timestamp token between frames
+    return {"input_ids": ids, "labels": ids.masked_fill(ids == VIDEO, -100), "mm_token_type_ids": 2 * (ids == VIDEO).int(),
+            "pixel_values_videos": torch.randn(4 * 16, 24, generator=g), "video_grid_thw": torch.tensor([[4, 4, 4]])}
+
+
 def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -214,13 +231,14 @@ def _image_count(batch) -> int:
 
 def qwen_patch_rows(batch, cp: int, rank: int) -> list[int]:
     """Patch rows the vision tower of a Qwen-VL should see on `rank` per call (images, then videos): each rank
-    takes ceil(n / cp) of the n grids, a share past n padded with grid 0."""
+    takes ceil(n / cp) of the n frames (a video of t temporal patches is t frames), a share past n padded with
+    frame 0."""
     out = []
     for key in ("image_grid_thw", "video_grid_thw"):
         grid = batch.get(key)
         if grid is None:
             continue
-        sizes = grid.prod(-1).tolist()
+        sizes = [int(h * w) for t, h, w in grid.tolist() for _ in range(t)]
         k = -(-len(sizes) // cp)
         out.append(sum(sizes[i] if i < len(sizes) else sizes[0] for i in range(rank * k, (rank + 1) * k)))
     return out
