@@ -117,6 +117,11 @@ def deepspeed_run(per_device: int, cp_size=None, accum: int = 1):
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.ops
+
+    # DeepSpeed's CPU shared-memory all-reduce is a C++ extension built on first use (about 60 s on a fresh
+    # machine, every CI run); marked unavailable, DeepSpeed reduces through torch.distributed (gloo) instead
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     try:
         result = train_run(per_device, cp_size, "ring", False, {"deepspeed": ZERO3, "gradient_accumulation_steps": accum})
     finally:  # DeepSpeed's process-wide settings would follow later tests in this pool process
