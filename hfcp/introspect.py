@@ -71,11 +71,11 @@ def decoder_layers(model, num_layers: int) -> list[torch.nn.Module] | None:
     return list(lists[0]) if lists else None
 
 
-def other_mixers(model, attention_classes: tuple[str, ...]) -> str | None:
+def other_mixers(model, attention_classes: tuple[str, ...], handled: tuple[str, ...] = ()) -> str | None:
     """Why `model` cannot be made exact by rerouting attention alone, or None.
 
-    Every decoder layer must hold an attention module of `attention_classes`, and no module outside them may be
-    a sequence mixer of another kind.
+    Every decoder layer must hold an attention module of `attention_classes` or a mixer of `handled` (classes its
+    record makes exact), and no module outside them may be a sequence mixer of another kind.
     """
     cfg = model.config.get_text_config()
     n = getattr(cfg, "num_hidden_layers", None)
@@ -83,7 +83,7 @@ def other_mixers(model, attention_classes: tuple[str, ...]) -> str | None:
     if layers is None:
         return f"hfcp found no list of {n} decoder layers in {type(model).__name__}"
     for i, layer in enumerate(layers):
-        if not any(type(m).__name__ in attention_classes for m in layer.modules()):
+        if not any(type(m).__name__ in attention_classes + handled for m in layer.modules()):
             kinds = sorted({type(c).__name__ for c in layer.children()})
             return (f"decoder layer {i} ({type(layer).__name__}: {', '.join(kinds)}) mixes tokens without attention "
                     "through transformers' AttentionInterface, so under CP it would see only its rank's shard")
@@ -91,9 +91,9 @@ def other_mixers(model, attention_classes: tuple[str, ...]) -> str | None:
         if "position_ids_from_input_ids" in (_source(type(m)) or ""):
             return (f"{name or 'the model'} ({type(m).__name__}) computes position ids from input_ids (RoBERTa-style, "
                     "offset by the padding index), which hfcp does not reproduce")
-        if type(m).__name__ in attention_classes:
+        if type(m).__name__ in attention_classes + handled:
             continue
-        if _OTHER_MIXERS.search(type(m).__name__) and not _inside_attention(model, name, attention_classes):
+        if _OTHER_MIXERS.search(type(m).__name__) and not _inside_attention(model, name, attention_classes + handled):
             return (f"{name} ({type(m).__name__}) is a sequence mixer other than attention; under CP it would see "
                     "only its rank's shard")
     return None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,7 @@ class CPState:
     modules: list = field(default_factory=list)
     hooks: list = field(default_factory=list)  # [(module, hook)] attached by patch
     rope_restores: list = field(default_factory=list)  # dynamic RoPE modules wrapped by patch (hfcp/rope.py)
+    mixer_modules: list = field(default_factory=list)  # modules whose forward a record's `mixers` replaced
     step: StepBatch | None = None
     pending_layout: object = None  # a VLM's layout between its outer model's hook and its language model's hook
     attn_owner: object = None  # the model whose attn_implementation patch set (a VLM: its language model only)
@@ -133,7 +135,8 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
         return dataclasses.replace(patcher, attention_classes=classes, read_from_model=False)
     reason = None if classes else ("none of its modules computes attention through transformers' AttentionInterface "
                                    "(its sequence mixing happens elsewhere)")
-    reason = reason or not_through_interface(target, classes) or other_mixers(target, classes)
+    reason = reason or not_through_interface(target, classes) or other_mixers(
+        target, classes, tuple(name for name, _ in patcher.mixers))
     if reason is not None:
         how = "" if patcher.read_from_model else (" (checked for the record registered for it; a record that "
                                                   "knows better can pass skip_model_checks=True)")
@@ -275,6 +278,11 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     inner._hfcp_state = state
     for m in modules:
         m._hfcp_state = state
+    for name, make_forward in patcher.mixers:  # the record's mixers other than attention, made exact under CP
+        for m in owner.modules():
+            if type(m).__name__ == name:
+                m.forward = types.MethodType(make_forward(state), m)
+                state.mixer_modules.append(m)
     if embeddings is not None:
         state.hooks = vision_hooks.attach(inner, state, embeddings)
     elif patcher.language_model:  # the loss at the outer model, the sharding at its language model's input
@@ -315,6 +323,8 @@ def unpatch(model):
             ours.restore_pending_head()
         _remove_hook(module, ours)
     rope.detach(state.rope_restores)
+    for m in state.mixer_modules:
+        del m.forward  # back to the class's forward
     state.attn_owner.set_attn_implementation(state.original_attn)
     for m in state.modules:
         del m._hfcp_state

@@ -51,6 +51,9 @@ class Patcher:
             one row per True entry of the mask in row-major order (Qwen3-VL: visual_pos_masks and
             deepstack_visual_embeds); hfcp gives each rank its tokens' part of both. Any other argument beside the
             merged sequence is refused.
+        mixers: sequence mixers other than attention that the record makes exact, as (class name, make_forward):
+            `make_forward(state)` returns the forward hfcp binds to each module of that class while patched (it
+            reads the step from `state.step`); the model checks accept these classes beside the attention classes.
     """
 
     model_type: str
@@ -71,6 +74,7 @@ class Patcher:
     language_model: str = ""
     vision_tower: str = ""
     token_side_inputs: tuple[tuple[str, str], ...] = ()
+    mixers: tuple[tuple[str, Callable], ...] = ()
 
 
 _HOW_TO_REGISTER = (
