@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +15,7 @@ from .collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
 from .introspect import (interface_attention_classes, logit_transform, not_through_interface, other_mixers,
                          router_aux_loss)
-from . import rope, vision_hooks, vlm_hooks
+from . import mixers, rope, vision_hooks, vlm_hooks
 from .lm_hooks import ShardSequenceHook
 from .vision_split import VisionTowerSplitHook, splits_frames, splits_tower
 from .vlm_hooks import LanguageModelHook, find_language_model, module_with_config
@@ -45,7 +44,7 @@ class CPState:
     modules: list = field(default_factory=list)
     hooks: list = field(default_factory=list)  # [(module, hook)] attached by patch
     rope_restores: list = field(default_factory=list)  # dynamic RoPE modules wrapped by patch (hfcp/rope.py)
-    mixer_modules: list = field(default_factory=list)  # modules whose forward a record's `mixers` replaced
+    mixer_restores: list = field(default_factory=list)  # what hfcp.mixers.bind changed (modules, hooks)
     step: StepBatch | None = None
     pending_layout: object = None  # a VLM's layout between its outer model's hook and its language model's hook
     attn_owner: object = None  # the model whose attn_implementation patch set (a VLM: its language model only)
@@ -274,15 +273,11 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
                     router_aux=router_aux_loss(inner) if head == "causal_lm" else None)
     if patcher.language_model and state.router_aux is not None:
         state.router_aux = "hfcp does not compute the router aux loss of a vision-language model yet"
+    state.mixer_restores = mixers.bind(state, owner, patcher)  # the record's other mixers (may refuse: first)
     owner.set_attn_implementation(KEY)
     inner._hfcp_state = state
     for m in modules:
         m._hfcp_state = state
-    for name, make_forward in patcher.mixers:  # the record's mixers other than attention, made exact under CP
-        for m in owner.modules():
-            if type(m).__name__ == name:
-                m.forward = types.MethodType(make_forward(state), m)
-                state.mixer_modules.append(m)
     if embeddings is not None:
         state.hooks = vision_hooks.attach(inner, state, embeddings)
     elif patcher.language_model:  # the loss at the outer model, the sharding at its language model's input
@@ -323,8 +318,7 @@ def unpatch(model):
             ours.restore_pending_head()
         _remove_hook(module, ours)
     rope.detach(state.rope_restores)
-    for m in state.mixer_modules:
-        del m.forward  # back to the class's forward
+    mixers.unbind(state.mixer_restores)
     state.attn_owner.set_attn_implementation(state.original_attn)
     for m in state.modules:
         del m._hfcp_state

@@ -52,8 +52,10 @@ class Patcher:
             deepstack_visual_embeds); hfcp gives each rank its tokens' part of both. Any other argument beside the
             merged sequence is refused.
         mixers: sequence mixers other than attention that the record makes exact, as (class name, make_forward):
-            `make_forward(state)` returns the forward hfcp binds to each module of that class while patched (it
-            reads the step from `state.step`); the model checks accept these classes beside the attention classes.
+            `make_forward(state, module, step_of)` checks the module (raising ValueError to refuse it, at patch time)
+            and returns the forward hfcp binds to it while patched; `step_of()` gives the step of the current call,
+            also when gradient checkpointing recomputes it (hfcp/mixers.py). The model checks accept these classes
+            beside the attention classes.
     """
 
     model_type: str

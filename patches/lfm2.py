@@ -7,9 +7,9 @@ from the model like any family. The module's own forward is replaced while patch
 is the form above (a newer transformers that changes it is refused, not guessed).
 
 What transformers does on one device, and hfcp reproduces:
-- padding: the layer input is zeroed at padded positions, only for batches of more than one row
-  (`apply_mask_to_padding_states`); hfcp takes the padding from the step (the mask transformers passes the layer
-  is cut to the local length, which under CP is another rank's columns);
+- padding: the layer input is zeroed at padded positions (the family's own `apply_mask_to_padding_states`, called
+  with this rank's columns of the padding, from the step: the mask transformers passes the layer is cut to the
+  local length, which under CP is another rank's columns);
 - packed rows: the torch path of `causal_conv1d_fn` ignores document boundaries (its `seq_idx` and other keyword
   arguments are dropped), while the attention layers keep documents apart; hfcp refuses packed rows here rather
   than pick one of the two.
@@ -17,6 +17,7 @@ What transformers does on one device, and hfcp reproduces:
 from __future__ import annotations
 
 import inspect
+import sys
 
 from hfcp.conv_halo import causal_depthwise_conv1d
 from hfcp.registry import Patcher, register_patcher
@@ -36,30 +37,34 @@ def _check_form(module) -> None:
     except (OSError, TypeError):
         source = ""
     missing = [line for line in _FORM if line not in source]
-    if missing or module.conv.padding[0] != module.conv.kernel_size[0] - 1 or module.conv.groups != module.conv.in_channels:
+    conv = module.conv
+    if missing or conv.padding[0] != conv.kernel_size[0] - 1 or conv.groups != conv.in_channels:
         raise ValueError(f"hfcp: {type(module).__name__}'s forward is not the gated short convolution hfcp reproduces "
                          f"(missing: {missing or 'a causal depthwise conv'}); this transformers version is not supported")
 
 
-def short_conv_forward(state):
-    """The forward hfcp binds to each short-conv module: the layer's own computation, its convolution over the
-    global sequence."""
+def short_conv_forward(state, module, step_of):
+    """The forward hfcp binds to a short-conv module (its form checked once, here, at patch time): the layer's own
+    computation, with its convolution over the global sequence. step_of() is the step of the current call."""
+    _check_form(module)
+    pad_states = sys.modules[type(module).__module__].apply_mask_to_padding_states  # the family's own rule
 
     def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-        _check_form(self)
-        step = state.step
+        step = step_of()
         if cache is not None:
             raise ValueError("hfcp: a cache in a short-convolution layer (generation): unpatch to generate")
-        if step is None or hidden_states.shape[1] != step.layout.local_len:
-            raise RuntimeError(f"hfcp: {type(self).__name__} got {hidden_states.shape[1]} tokens outside a step of the "
-                               "patched model (call the patched model, not its layers)")
+        if hidden_states.shape[1] != step.layout.local_len:
+            raise RuntimeError(f"hfcp: {type(self).__name__} got {hidden_states.shape[1]} tokens for a step of "
+                               f"{step.layout.local_len} per rank (call the patched model, not its layers)")
         if step.doc_ids is not None:
             raise ValueError(f"hfcp: packed rows (position_ids restarting inside a row) in {type(self).__name__}: "
                              "transformers' short convolution crosses document boundaries while its attention does "
                              "not, so hfcp refuses them; pass one document per row (padding is exact)")
-        if step.key_valid is not None and hidden_states.shape[0] > 1:  # as apply_mask_to_padding_states
-            valid = step.key_valid.index_select(1, step.local_index.to(step.key_valid.device))
-            hidden_states = (hidden_states * valid[:, :, None]).to(hidden_states.dtype)
+        # this rank's columns of the padding (the mask transformers passes here is cut to the local length: another
+        # rank's columns under CP); hfcp's own end padding is zeroed too, which a causal convolution never carries back
+        valid = None if step.key_valid is None else step.key_valid.index_select(
+            1, step.local_index.to(step.key_valid.device))
+        hidden_states = pad_states(hidden_states, valid)
         B, C, x = self.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
         weight = self.conv.weight.squeeze(1)
         mixed = causal_depthwise_conv1d((B * x).to(weight.dtype), weight, self.conv.bias, step, state.mesh.cp_group)

@@ -2,9 +2,9 @@
 configs/tiny_qwen2_vl.json, and generated videos with a question whose answer needs attention across distant
 frames.
 
-Each video is a run of frames, each filled with a colour from COLOURS; one frame, anywhere in the video, carries a
-marker (a checkerboard over its colour). After the video the prompt asks for the colour of the marked frame; the
-answer is one colour word, the only target of the row besides the closing EOS. A frame is one temporal patch of
+Each video is a run of frames, each a grey of its own brightness, except one frame, anywhere in the video, filled
+with a colour from COLOURS. After the video the prompt asks for that colour; the answer is one colour word, the
+only target of the row besides the closing EOS. A frame is one temporal patch of
 the tower (two identical raw frames), 16 x 16 pixels: four merged video tokens per frame.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_qwen2_vl.json"
 COLOURS = {"red": (1, -1, -1), "green": (-1, 1, -1), "blue": (-1, -1, 1), "yellow": (1, 1, -1),
            "cyan": (-1, 1, 1), "magenta": (1, -1, 1)}
 COLOUR_IDS = {name: 10 + i for i, name in enumerate(COLOURS)}  # the answer words
-QUESTION = list(range(20, 26))  # "which colour had the marked frame ?", one id per word
+QUESTION = list(range(20, 26))  # "which colour had the coloured frame ?", one id per word
 BOS, EOS, START, END, VIDEO = 1, 2, 60, 61, 62
 SIZE = 16  # pixels per side of a frame
 
@@ -54,7 +54,7 @@ def patch_rows(frames: torch.Tensor, config) -> torch.Tensor:
 
 
 def make_example(rng: random.Random, config, frames: int) -> tuple[dict, int]:
-    """One row: a video of `frames` frames and its question. Returns (row, answer id)."""
+    """One row: a video of `frames` frames (one of them coloured) and its question. Returns (row, answer id)."""
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     colour = rng.choice(list(COLOURS))
     marked = rng.randrange(frames)

@@ -33,9 +33,12 @@ def tiny_hybrid(kind: str):
 
 
 def batch(case: str, length: int = 40) -> dict:
-    """Two rows; "padding": row 0 left-padded (6 tokens); "packed": two documents per row."""
+    """Two rows; "padding": row 0 left-padded (6 tokens); "one_row_padding": that row alone; "packed": two
+    documents per row."""
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, 90, (2, length), generator=g)
+    if case == "one_row_padding":
+        ids, case = ids[:1], "padding"
     out = {"input_ids": ids, "labels": ids.clone()}
     if case == "padding":
         mask = torch.ones_like(ids)
@@ -48,7 +51,9 @@ def batch(case: str, length: int = 40) -> dict:
     return out
 
 
-def compare(kind: str, case: str, strategy: str = "ring") -> dict:
+def compare(kind: str, case: str, strategy: str = "ring", checkpointing: str = "") -> dict:
+    """checkpointing: "checkpointing" (gradient checkpointing on), or "two_forwards" (on, and a second forward of
+    another batch of the same length, other padding, before the first one's backward)."""
     torch.manual_seed(0)
     ref = tiny_hybrid(kind)
     torch.manual_seed(0)
@@ -56,9 +61,13 @@ def compare(kind: str, case: str, strategy: str = "ring") -> dict:
     data = batch(case)
     want = ref(**data).loss
     want.backward()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hfcp.patch(model, strategy=strategy, timeout=30)
     try:
         got = model(**data).loss
+        if checkpointing == "two_forwards":
+            model(**batch("plain")).loss  # the first graph is still alive: refused
         got.backward()
     except ValueError as e:
         return {"refused": str(e)}
@@ -73,4 +82,4 @@ def compare(kind: str, case: str, strategy: str = "ring") -> dict:
     return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
             "conv_grad_err": grad_error(conv, {n: ref_grads[n] for n in conv}), "conv_params": len(conv),
             "same_keys": grads.keys() == ref_grads.keys(),
-            "restored": all("forward" not in m.__dict__ for m in model.modules())}
+            "restored": all("forward" not in m.__dict__ and not m._forward_pre_hooks for m in model.modules())}

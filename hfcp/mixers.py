@@ -1,0 +1,90 @@
+"""Sequence mixers other than attention that a record makes exact (Patcher.mixers): hfcp binds the record's forward
+to each such module while patched.
+
+Attention calls get their step from the mask argument (lm_hooks.step_token), so a layer recomputed by gradient
+checkpointing after a later forward still sees its own step. A mixer gets no such argument and reads the step of
+the latest forward (state.step). transformers checkpoints a layer's forward inside its module hooks, so a recompute
+cannot be told apart from the inside; instead a forward pre-hook on each decoder layer that holds a mixer refuses a
+forward while the graph of a forward with another step is still alive under gradient checkpointing (its mixers would
+be recomputed with this step's layout), as the vision hooks do.
+"""
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+
+from .introspect import decoder_layers
+
+
+class LayerSteps:
+    """A forward pre-hook on each decoder layer holding a mixer, and the step mixers read."""
+
+    def __init__(self, state):
+        self.state = state
+        self._last: dict[int, tuple] = {}  # id(layer) -> (weakref to its previous input, that forward's step)
+
+    def __call__(self, layer, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or not torch.is_grad_enabled():
+            return
+        previous = self._last.get(id(layer))
+        alive = previous[0]() if previous is not None else None
+        if (alive is not None and alive.requires_grad and previous[1] is not self.state.step
+                and getattr(layer, "gradient_checkpointing", False)):
+            raise ValueError(
+                f"hfcp: a forward while the graph of the previous one is still alive under gradient checkpointing: "
+                f"its {type(layer).__name__} mixers would be recomputed in backward with this forward's layout. Run "
+                "backward (or drop the previous outputs) before the next forward, or disable gradient checkpointing")
+        self._last[id(layer)] = (weakref.ref(x), self.state.step)
+
+    def step_for(self, layer):
+        step = self.state.step
+        if step is None:
+            raise RuntimeError("hfcp: a sequence mixer ran outside a forward of the patched model: call the patched "
+                               "model, not its layers")
+        return step
+
+
+def bind(state, owner, patcher) -> list:
+    """Bind each record mixer's forward to its modules in `owner` (checked first: nothing is changed if one raises).
+    Returns what unbind() undoes.
+
+    Raises:
+        ValueError: a mixer module that already has a forward of its own (another library's hook), or what the
+            record's make_forward refuses for a module.
+    """
+    if not patcher.mixers:
+        return []
+    cfg = owner.config.get_text_config()
+    layers = decoder_layers(owner, cfg.num_hidden_layers) or []
+    steps = LayerSteps(state)
+    plan = []
+    for name, make_forward in patcher.mixers:
+        for m in owner.modules():
+            if type(m).__name__ != name:
+                continue
+            if "forward" in m.__dict__:
+                raise ValueError(f"hfcp: {name} already has a forward of its own (a hook of another library): hfcp "
+                                 "cannot replace it with its context-parallel one")
+            layer = next((lay for lay in layers if any(c is m for c in lay.modules())), None)
+            if layer is None:
+                raise ValueError(f"hfcp: found no decoder layer holding the {name} module")
+            plan.append((m, layer, make_forward(state, m, lambda lay=layer: steps.step_for(lay))))
+    handles, hooked = [], set()
+    for _, layer, _ in plan:
+        if id(layer) not in hooked:
+            hooked.add(id(layer))
+            handles.append(layer.register_forward_pre_hook(steps, with_kwargs=True))
+    for m, _, forward in plan:
+        m.forward = types.MethodType(forward, m)
+    return [m for m, _, _ in plan] + handles
+
+
+def unbind(restores: list) -> None:
+    for r in restores:
+        if isinstance(r, torch.nn.Module):
+            del r.forward  # back to the class's forward
+        else:
+            r.remove()
