@@ -39,7 +39,8 @@ class LayerSteps:
                 "backward (or drop the previous outputs) before the next forward, or disable gradient checkpointing")
         self._last[id(layer)] = (weakref.ref(x), self.state.step)
 
-    def step_for(self, layer):
+    def current(self):
+        """The step a mixer's call belongs to: the latest forward's (the pre-hook refused any other case)."""
         step = self.state.step
         if step is None:
             raise RuntimeError("hfcp: a sequence mixer ran outside a forward of the patched model: call the patched "
@@ -71,7 +72,7 @@ def bind(state, owner, patcher) -> list:
             layer = next((lay for lay in layers if any(c is m for c in lay.modules())), None)
             if layer is None:
                 raise ValueError(f"hfcp: found no decoder layer holding the {name} module")
-            plan.append((m, layer, make_forward(state, m, lambda lay=layer: steps.step_for(lay))))
+            plan.append((m, layer, make_forward(state, m, steps.current)))
     handles, hooked = [], set()
     for _, layer, _ in plan:
         if id(layer) not in hooked:
