@@ -27,6 +27,7 @@ from .router_loss import RouterAux, check_form
 # class-name fragments of sequence mixers other than attention (state-space, convolution, recurrence, linear attention)
 _OTHER_MIXERS = re.compile(r"Mamba|SSM|Mixer|ShortConv|DeltaNet|LinearAttention|Recurrent|RGLRU|"
                            r"Retention|Rwkv|TimeMix|Hyena|Lightning")
+_PER_TOKEN = re.compile(r"(Norm|MLP)$")  # such names of those families are per-token modules (Mamba2RMSNorm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,13 +88,17 @@ def other_mixers(model, attention_classes: tuple[str, ...], handled: tuple[str, 
             kinds = sorted({type(c).__name__ for c in layer.children()})
             return (f"decoder layer {i} ({type(layer).__name__}: {', '.join(kinds)}) mixes tokens without attention "
                     "through transformers' AttentionInterface, so under CP it would see only its rank's shard")
+    ids = {id(layer) for layer in layers}
+    holders = {name[:i] for name, m in model.named_modules() if id(m) in ids  # the layers and the modules above them
+               for i in [0, len(name)] + [j for j, c in enumerate(name) if c == "."]}
     for name, m in model.named_modules():
         if "position_ids_from_input_ids" in (_source(type(m)) or ""):
             return (f"{name or 'the model'} ({type(m).__name__}) computes position ids from input_ids (RoBERTa-style, "
                     "offset by the padding index), which hfcp does not reproduce")
-        if type(m).__name__ in attention_classes + handled:
-            continue
-        if _OTHER_MIXERS.search(type(m).__name__) and not _inside_attention(model, name, attention_classes + handled):
+        if type(m).__name__ in attention_classes + handled or name in holders:
+            continue  # the layers are checked above, whatever their names or their models' say (Mamba2ForCausalLM)
+        if (_OTHER_MIXERS.search(type(m).__name__) and not _PER_TOKEN.search(type(m).__name__)
+                and not _inside_attention(model, name, attention_classes + handled)):
             return (f"{name} ({type(m).__name__}) is a sequence mixer other than attention; under CP it would see "
                     "only its rank's shard")
     return None

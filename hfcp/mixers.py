@@ -48,6 +48,33 @@ class LayerSteps:
         return step
 
 
+def local_key_valid(step):
+    """(B, local_len) bool: which of this rank's tokens are not padding (hfcp's end padding included), or None.
+
+    A recurrent layer's padding mask from transformers is cut to the local length, which under CP is another
+    rank's columns; the step knows this rank's."""
+    if step.key_valid is None:
+        return None
+    return step.key_valid.index_select(1, step.local_index.to(step.key_valid.device))
+
+
+def check_step_tokens(module, hidden_states, step, what: str) -> None:
+    """Raises unless `hidden_states` is this rank's shard of a step with one document per row.
+
+    Raises:
+        RuntimeError: a layer called outside the patched model (another length than the step's).
+        ValueError: packed rows: transformers' torch paths of these layers cross document boundaries (they drop
+            seq_idx / cu_seqlens) while its attention does not, so hfcp refuses them rather than pick one.
+    """
+    if hidden_states.shape[1] != step.layout.local_len:
+        raise RuntimeError(f"hfcp: {type(module).__name__} got {hidden_states.shape[1]} tokens for a step of "
+                           f"{step.layout.local_len} per rank (call the patched model, not its layers)")
+    if step.doc_ids is not None:
+        raise ValueError(f"hfcp: packed rows (position_ids restarting inside a row) in {type(module).__name__}: "
+                         f"transformers' {what} crosses document boundaries while its attention does not, so hfcp "
+                         "refuses them; pass one document per row (padding is exact)")
+
+
 def bind(state, owner, patcher) -> list:
     """Bind each record mixer's forward to its modules in `owner` (checked first: nothing is changed if one raises).
     Returns what unbind() undoes.

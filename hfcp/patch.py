@@ -132,8 +132,8 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
                     "mixer other than its attention classes would see only its rank's shard, silently",
                     patcher.model_type)
         return dataclasses.replace(patcher, attention_classes=classes, read_from_model=False)
-    reason = None if classes else ("none of its modules computes attention through transformers' AttentionInterface "
-                                   "(its sequence mixing happens elsewhere)")
+    reason = None if classes or patcher.mixers else ("none of its modules computes attention through transformers' "
+                                                     "AttentionInterface (its sequence mixing happens elsewhere)")
     reason = reason or not_through_interface(target, classes) or other_mixers(
         target, classes, tuple(name for name, _ in patcher.mixers))
     if reason is not None:
@@ -154,11 +154,13 @@ def _has_module(model, path: str) -> bool:
 
 def with_text_record(patcher: Patcher, language_model) -> Patcher:
     """A VLM record with its language model's family knowledge: the text model_type must have a record of its own
-    (REGISTRY.lookup raises for an unknown or refused one), whose length limit and position rule apply."""
+    (REGISTRY.lookup raises for an unknown or refused one), whose length limit, position rule and sequence mixers
+    other than attention apply."""
     text = REGISTRY.lookup(language_model.config.model_type)
     return dataclasses.replace(patcher, max_seq_len=text.max_seq_len, max_seq_len_reason=text.max_seq_len_reason,
                                positions_from_mask=text.positions_from_mask, causal=text.causal,
-                               token_side_inputs=patcher.token_side_inputs + text.token_side_inputs)
+                               token_side_inputs=patcher.token_side_inputs + text.token_side_inputs,
+                               mixers=patcher.mixers + text.mixers)
 
 
 def _warn_if_verified_elsewhere(patcher: Patcher) -> None:
@@ -241,7 +243,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         )
     owner = find_language_model(inner, patcher.language_model) if patcher.language_model else inner  # whose attention
     modules = [m for m in owner.modules() if type(m).__name__ in patcher.attention_classes]
-    if not modules:
+    if not modules and not patcher.mixers:  # (a record's mixers alone: a model without attention, such as Mamba-2)
         raise UnsupportedModelError(
             f"the {model_type!r} patcher looks for {patcher.attention_classes} but {type(inner).__name__} has none"
         )

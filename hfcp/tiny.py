@@ -1,6 +1,6 @@
 """Tiny random causal LMs of any transformers model_type: what the family sweep (tests/sweep_families.py) and
-`hfcp verify --model MODEL_TYPE` run. The config keeps the family's features (sliding windows where the family
-has one, attention chunks, MoE with the router aux loss, MLA head dims, softcaps set low, logit scales) at a size that runs in milliseconds."""
+`hfcp verify --model MODEL_TYPE` run. The config keeps the family's features (one layer of each kind its
+layer_types lists, sliding windows where the family has one, attention chunks, MoE with the router aux loss, MLA head dims, softcaps set low, logit scales) at a size that runs in milliseconds."""
 from __future__ import annotations
 
 import warnings
@@ -41,19 +41,56 @@ def tiny_config(model_type: str):
             extra["attention_chunk_size"] = CHUNK
         if hasattr(default, "kv_lora_rank"):  # MLA: keys and values are expanded to every query head
             extra["num_key_value_heads"] = TINY["num_attention_heads"]
+        extra.update(_ssm_dims(default))
         settable = {k: v for k, v in TINY.items() if getattr(getattr(cls, k, None), "fset", True) is not None}
-        cfg = cls(**{**settable, **extra})  # (a config property without a setter keeps its own value)
+        cfg = None
+        kinds = _layer_kinds(default)
+        if kinds and default.get_text_config() is default:
+            try:  # passed in, so that the config derives what depends on them
+                cfg = cls(**{**settable, **extra, "num_hidden_layers": len(kinds), "layer_types": kinds})
+            except Exception:  # noqa: BLE001 - a config that derives its layers otherwise (RecurrentGemma): as it is
+                cfg = None
+        cfg = cfg or cls(**{**settable, **extra})  # (a config property without a setter keeps its own value)
     text = cfg.get_text_config()
     if text is not cfg:  # a composite config: shrink its text part the same way
         for k, v in TINY.items():
             if hasattr(text, k):
                 setattr(text, k, v)
+    kinds = _layer_kinds(default.get_text_config())
+    if text is not cfg and kinds and getattr(getattr(type(text), "layer_types", None), "fset", True):
+        text.num_hidden_layers, text.layer_types = len(kinds), kinds
     for part in {id(cfg): cfg, id(text): text}.values():  # training randomness (dropout, router jitter) off:
         for k, v in list(vars(part).items()):  # a rank draws other noise than one device, so compare without it
             if isinstance(v, float) and any(x in k for x in ("dropout", "pdrop", "jitter")):
                 setattr(part, k, 0.0)
     cfg._attn_implementation = "sdpa"
     return cfg
+
+
+SSM = dict(state_size=8, mamba_d_state=8, ssm_state_size=8, mamba_d_head=8, n_groups=2)  # SSM (Mamba) dimensions
+
+
+def _ssm_dims(default) -> dict:
+    """Small SSM dimensions for a family whose config has them, with as many SSM heads of 8 as fill its
+    hidden_size x expand (the families' configs check that the heads tile the expanded width)."""
+    out = {k: v for k, v in SSM.items() if hasattr(default, k)}
+    if hasattr(default, "mamba_n_heads") and hasattr(default, "mamba_expand"):
+        out["mamba_n_heads"] = TINY["hidden_size"] * default.mamba_expand // SSM["mamba_d_head"]
+        if hasattr(default, "mamba_d_ssm"):  # Falcon-H1: an SSM width of its own, else hidden_size x expand
+            out["mamba_d_ssm"] = None
+    if hasattr(default, "num_heads") and isinstance(getattr(default, "expand", None), int) and hasattr(default, "state_size"):
+        out["num_heads"] = TINY["hidden_size"] * default.expand // TINY["head_dim"]
+    return out
+
+
+def _layer_kinds(default) -> list | None:
+    """A family whose layers are of several kinds (`layer_types`: sliding and full attention, linear attention in a
+    hybrid, ...) keeps one layer of each, in the order the default config first has them, so that the sweep runs
+    every kind: the first layers of the default pattern alone can all be of one kind (Qwen3-Next: 3 linear, 1 full).
+    None for a family of one kind."""
+    types = getattr(default, "layer_types", None)
+    kinds = list(dict.fromkeys(types)) if isinstance(types, (list, tuple)) else []
+    return kinds if len(kinds) > 1 else None
 
 
 def tiny_model(model_type: str, seed: int = 0):

@@ -20,6 +20,7 @@ import inspect
 import sys
 
 from hfcp.conv_halo import causal_depthwise_conv1d
+from hfcp.mixers import check_step_tokens, local_key_valid
 from hfcp.registry import Patcher, register_patcher
 
 from .verified import TRANSFORMERS_VERSION
@@ -53,17 +54,9 @@ def short_conv_forward(state, module, step_of):
         step = step_of()
         if cache is not None:
             raise ValueError("hfcp: a cache in a short-convolution layer (generation): unpatch to generate")
-        if hidden_states.shape[1] != step.layout.local_len:
-            raise RuntimeError(f"hfcp: {type(self).__name__} got {hidden_states.shape[1]} tokens for a step of "
-                               f"{step.layout.local_len} per rank (call the patched model, not its layers)")
-        if step.doc_ids is not None:
-            raise ValueError(f"hfcp: packed rows (position_ids restarting inside a row) in {type(self).__name__}: "
-                             "transformers' short convolution crosses document boundaries while its attention does "
-                             "not, so hfcp refuses them; pass one document per row (padding is exact)")
-        # this rank's columns of the padding (the mask transformers passes here is cut to the local length: another
-        # rank's columns under CP); hfcp's own end padding is zeroed too, which a causal convolution never carries back
-        valid = None if step.key_valid is None else step.key_valid.index_select(
-            1, step.local_index.to(step.key_valid.device))
+        check_step_tokens(self, hidden_states, step, "short convolution")
+        # hfcp's own end padding is zeroed too, which a causal convolution never carries back
+        valid = local_key_valid(step)
         hidden_states = pad_states(hidden_states, valid)
         B, C, x = self.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
         weight = self.conv.weight.squeeze(1)

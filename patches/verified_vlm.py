@@ -12,6 +12,7 @@ VERIFIED = (
     "cosmos3_omni",
     "deepseek_vl",
     "hyperclovax_vision_v2",
+    "lfm3_vl",
     "lighton_ocr",
     "llava_next",
     "llava_next_video",
@@ -19,6 +20,7 @@ VERIFIED = (
     "mistral3",
     "ovis2",
     "qianfan_ocr",
+    "qwen3_5",
     "shieldgemma2",
     "video_llava",
 )

@@ -3,6 +3,7 @@
     python scripts/bench.py                       # model level, L = 2k..16k, cp 1/2/4, all strategies
     python scripts/bench.py --quick               # a smoke run (seconds)
     python scripts/bench.py --level attention --lengths 8192 16384 --no-comm
+    python scripts/bench.py --arch qwen3_next --lengths 4096 8192 --strategies ring   # a gated delta net hybrid
     python scripts/bench.py --level full --mem-cap-mb 700 --widths 256 512 768   # full fine-tune frontier
 
 --level full: the longest sequence whose full fine-tune step (FSDP2 over all ranks x CP, AdamW) fits a per-rank
@@ -28,8 +29,8 @@ import bench_full  # noqa: E402
 
 
 def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeout=1800, chunked_cp1=False,
-            loss_chunk=1024):
-    cmd = [str(HERE / "bench_step.py"), "--level", level, "--seq-len", str(seq_len), "--cp", str(cp),
+            loss_chunk=1024, arch="llama"):
+    cmd = [str(HERE / "bench_step.py"), "--level", level, "--arch", arch, "--seq-len", str(seq_len), "--cp", str(cp),
            "--strategy", strategy, "--threads", str(threads), "--repeats", str(repeats), "--loss-chunk", str(loss_chunk)]
     if chunked_cp1:
         cmd.append("--chunked-loss")
@@ -82,7 +83,7 @@ def sweep(args):
                 threads = max(c for c in args.cps) if cp == 1 and args.match_threads else 1
                 threads = min(threads, args.max_threads)
                 results.append(measure(args.level, L, cp, s, threads, args.repeats, chunked_cp1=args.chunked_cp1,
-                                       loss_chunk=args.loss_chunk))
+                                       loss_chunk=args.loss_chunk, arch=args.arch))
                 print(fmt(results[-1]), flush=True)
                 if args.no_comm and cp > 1 and s == "ring":
                     results.append(measure(args.level, L, cp, s, 1, args.repeats, no_comm=True))
@@ -186,6 +187,8 @@ def plot(results, out: Path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--level", choices=["model", "attention", "full"], default="model")
+    ap.add_argument("--arch", choices=["llama", "qwen3_next"], default="llama",
+                    help="model level: a Llama, or a Qwen3-Next hybrid of the same size (3 of 4 layers gated delta nets)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--strategies", nargs="+", default=["ring", "allgather", "ulysses"],

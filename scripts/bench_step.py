@@ -89,11 +89,19 @@ def model_step(args, device):
 
     import hfcp
 
-    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=args.seq_len)
+    shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, max_position_embeddings=args.seq_len)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(device)
-    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    if args.arch == "qwen3_next":  # the same size, 3 of its 4 layers gated delta nets (Qwen3-Next's 3:1 pattern)
+        cfg = transformers.Qwen3NextConfig(**shape, head_dim=32, num_experts=0, linear_num_key_heads=4,
+                                           linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+                                           layer_types=["linear_attention"] * 3 + ["full_attention"])
+        model = transformers.Qwen3NextForCausalLM(cfg).to(device)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "out_proj"]
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).to(device)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
     ids = torch.randint(0, 4096, (1, args.seq_len), generator=torch.Generator().manual_seed(1)).to(device)
     if args.cp > 1 and args.strategy == "deepspeed":
         return deepspeed_model_step(model, ids, args, device)
@@ -244,6 +252,7 @@ def deepspeed_ulysses_step(q, k, v, args, device):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--level", choices=["model", "attention"], default="model")
+    ap.add_argument("--arch", choices=["llama", "qwen3_next"], default="llama", help="model level: the model")
     ap.add_argument("--seq-len", type=int, required=True)
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--strategy", default="ring")
@@ -272,7 +281,7 @@ def main():
             times.append(time.perf_counter() - t)
             cpu_times.append(time.process_time() - c)  # this process's CPU time: steadier on a shared machine
         mems.append(mem.growth / 2**20)
-    result = {"level": args.level, "seq_len": args.seq_len, "cp": args.cp, "strategy": args.strategy if args.cp > 1 else "none",
+    result = {"level": args.level, "arch": args.arch, "seq_len": args.seq_len, "cp": args.cp, "strategy": args.strategy if args.cp > 1 else "none",
               "no_comm": args.no_comm, "threads": args.threads,
               "chunked_cp1": bool(args.chunked_loss and args.cp == 1), "time_s": sorted(times)[len(times) // 2],
               "cpu_s": sorted(cpu_times)[len(cpu_times) // 2],

@@ -77,6 +77,7 @@ def _check(model_type: str, aux_loss: bool = True) -> dict:
                 return result
         return failed
     want = _grads(ref)
+    tolerance = _tolerance(make, data, want)
     errs = {}
     for strategy in STRATEGIES:  # the ring decides refusals; the others must agree with it
         try:
@@ -94,11 +95,13 @@ def _check(model_type: str, aux_loss: bool = True) -> dict:
     loss_err = max(e[0] for e in errs.values())
     grad_err = max(e[1] for e in errs.values())
     same_keys = all(e[2] for e in errs.values())
-    exact = same_keys and loss_err < LOSS_TOL and grad_err < GRAD_TOL
+    exact = same_keys and loss_err < LOSS_TOL and grad_err < tolerance
     # what the README prints is what holds on any processor: the verdict and its tolerance, never the rounding
     # digits of the CPU kernels (those differ between machines); the measured errors travel beside it
     errors = f"loss {loss_err:.1e}, grad {grad_err:.1e}" + ("" if same_keys else ", grads differ")
-    detail = f"{', '.join(errs)}: " + (f"loss within {LOSS_TOL:.0e}, every gradient within {GRAD_TOL:.0e}" if exact
+    within = (f"{GRAD_TOL:.0e}" if tolerance == GRAD_TOL
+              else "twice the fp32 noise of the family's own delta-rule kernel on one device")
+    detail = f"{', '.join(errs)}: " + (f"loss within {LOSS_TOL:.0e}, every gradient within {within}" if exact
                                        else errors)
     if not exact:
         return {**out, "result": "mismatch", "detail": detail, "errors": errors, "packed": ""}
@@ -107,9 +110,34 @@ def _check(model_type: str, aux_loss: bool = True) -> dict:
     return {**out, "result": result, "detail": f"{detail}; {padding}", "errors": errors, "packed": packed}
 
 
-def _within(a: tuple, b: tuple) -> bool:
+def _within(a: tuple, b: tuple, tolerance: float) -> bool:
     """(loss, grads) pairs agree within the sweep's tolerances."""
-    return abs(a[0] - b[0]) < LOSS_TOL * abs(b[0]) and a[1].keys() == b[1].keys() and grad_error(a[1], b[1]) < GRAD_TOL
+    return abs(a[0] - b[0]) < LOSS_TOL * abs(b[0]) and a[1].keys() == b[1].keys() and grad_error(a[1], b[1]) < tolerance
+
+
+def _tolerance(make, data: dict, want: dict) -> float:
+    """The gradient tolerance of a batch: GRAD_TOL, or twice the family's own kernel noise where that is larger."""
+    return max(GRAD_TOL, 2 * delta_rule_noise(make(), data, want))
+
+
+def delta_rule_noise(model, data: dict, want: dict) -> float:
+    """The fp32 noise of a family's own delta-rule kernel on one device (0 for a family without one): the
+    worst gradient error of `model` with the kernel's chunks of 16 tokens against `want`, its default chunks (64, 256)
+    (the same mathematics, another rounding). The kernel computes in fp32 whatever the model's dtype, and the decay
+    parameters' gradients are sums with cancellation, so this noise can exceed GRAD_TOL on one device alone."""
+    from hfcp.patches.recurrent import RULES
+
+    family = sys.modules[type(model).__module__]
+    name = next((chunked for chunked, _ in RULES if hasattr(family, chunked)), None)
+    if name is None:
+        return 0.0
+    rule = getattr(family, name)
+    setattr(family, name, lambda *args, **kwargs: rule(*args, **{**kwargs, "chunk_size": 16}))
+    try:
+        model(**data, use_cache=False).loss.backward()
+    finally:
+        setattr(family, name, rule)
+    return grad_error(_grads(model), want)
 
 
 def _run(model, data, patched: bool):
@@ -142,7 +170,9 @@ def _padding(make) -> str:
         got = _run(make(), data, patched=True)
     except ValueError as e:
         return f"padding refused ({str(e)[:120]})"
-    return "padding and mask holes exact" if _within(got, _run(make(), data, False)) else "padding mismatch"
+    want = _run(make(), data, False)
+    return ("padding and mask holes exact" if _within(got, want, _tolerance(make, data, want[1]))
+            else "padding mismatch")
 
 
 def _packing(make) -> str:
@@ -162,7 +192,8 @@ def _packing(make) -> str:
         got = _run(make_no_aux(), data, patched=True)
     except ValueError as e:
         return f"refused ({str(e)[:120]})"
-    if _within(got, _run(make_no_aux(), data, False)):
+    want = _run(make_no_aux(), data, False)
+    if _within(got, want, _tolerance(make_no_aux, data, want[1])):
         return "as transformers"
     alone = make_no_aux()
     total = int((data["labels"][:, 1:] != -100).sum())
@@ -174,7 +205,7 @@ def _packing(make) -> str:
             part = part * int((labels[:, 1:] != -100).sum()) / total
             part.backward()
             loss += part.item()
-    if _within(got, (loss, _grads(alone))):
+    if _within(got, (loss, _grads(alone)), _tolerance(make_no_aux, data, _grads(alone))):
         return "documents apart (transformers' SDPA path attends across them)"
     return "packed mismatch"
 

@@ -39,10 +39,11 @@ def test_vlm_vision_tower_split_with_an_image_count_that_does_not_divide(pool2, 
         _split(r, kind, 2)
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_vlm_one_video_split_by_frames(pool2, kind):
     """A single video is one grid row (4, 4, 4): the Qwen-VL towers encode each temporal frame alone, so each rank
-    encodes 2 of its 4 frames (with the split by images, every rank encoded the whole video)."""
+    encodes 2 of its 4 frames (with the split by images, every rank encoded the whole video). Qwen3.5: its language
+    model a gated delta net hybrid (patches/recurrent.py), its tower Qwen3-VL's without deepstack."""
     for r in pool2.run(W.compare, kind, "one_video"):
         assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["vision_grad_err"] < 1e-4, r
         assert r["images_seen"] == r["qwen_rows"] == [32], r

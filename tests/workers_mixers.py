@@ -13,10 +13,46 @@ _TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_lay
              layer_types=["conv", "full_attention", "conv", "conv"])
 
 
-def tiny_hybrid(kind: str):
-    """LFM2 (kernel 3), LFM3 (kernel 7) or LFM2-MoE: conv, attention, conv, conv layers; weights perturbed."""
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+               linear_conv_kernel_dim=4, head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)
+GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini")
+KDA = ("kimi_linear", "bailing_hybrid")  # Kimi delta attention: MLA attention layers, the family sweep's tiny model
+MAMBA2 = ("mamba2", "bamba", "falcon_h1", "granitemoehybrid")  # Mamba-2 (mamba2 alone, the others with attention)
+
+
+def _perturbed(model):
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.float().train()
+
+
+def tiny_gated_delta(kind: str, attention: str = "full_attention"):
+    """A gated delta net hybrid: linear, attention, linear, linear layers (GQA in the delta rule: 2 key heads for 4
+    value heads, dk 8, dv 6, conv kernel 4); weights perturbed."""
     import transformers as T
 
+    layers = ["linear_attention", attention, "linear_attention", "linear_attention"]
+    cfg = T.AutoConfig.for_model(kind, **{**_TEXT, **_LINEAR, "layer_types": layers})
+    cfg._attn_implementation = "sdpa"
+    return _perturbed(T.AutoModelForCausalLM.from_config(cfg))
+
+
+def tiny_hybrid(kind: str):
+    """LFM2 (kernel 3), LFM3 (kernel 7) or LFM2-MoE: conv, attention, conv, conv layers; or a gated delta net
+    hybrid (GATED_DELTA); weights perturbed."""
+    import transformers as T
+
+    if kind in GATED_DELTA:
+        return tiny_gated_delta(kind, "sliding_attention" if kind == "lara_mini" else "full_attention")
+    if kind in KDA + MAMBA2:
+        from hfcp.tiny import tiny_model
+
+        model = tiny_model(kind)
+        model.config.output_router_logits = False
+        return _perturbed(model)
     if kind == "lfm2":
         model = T.Lfm2ForCausalLM(T.Lfm2Config(**_TEXT, conv_L_cache=3, attn_implementation="sdpa"))
     elif kind == "lfm3":
@@ -25,11 +61,7 @@ def tiny_hybrid(kind: str):
         model = T.Lfm2MoeForCausalLM(T.Lfm2MoeConfig(**_TEXT, conv_L_cache=3, num_experts=2, num_experts_per_tok=1,
                                                     moe_intermediate_size=32, num_dense_layers=2,
                                                     attn_implementation="sdpa"))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.float().train()
+    return _perturbed(model)
 
 
 def batch(case: str, length: int = 40) -> dict:
@@ -78,8 +110,142 @@ def compare(kind: str, case: str, strategy: str = "ring", checkpointing: str = "
         dist.all_reduce(g)
         g /= dist.get_world_size()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    conv = {n: g for n, g in grads.items() if ".conv.conv." in n}
+    conv = {n: g for n, g in grads.items() if any(k in n for k in (".conv.conv.", "conv1d", "A_log", "dt_bias"))}
     return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
             "conv_grad_err": grad_error(conv, {n: ref_grads[n] for n in conv}), "conv_params": len(conv),
-            "same_keys": grads.keys() == ref_grads.keys(),
+            "same_keys": grads.keys() == ref_grads.keys(), "noise": kernel_noise(kind, data, ref_grads),
             "restored": all("forward" not in m.__dict__ and not m._forward_pre_hooks for m in model.modules())}
+
+
+def kernel_noise(kind: str, data: dict, ref_grads: dict) -> float:
+    """The fp32 noise of the family's own delta-rule kernel on one device (sweep_families.delta_rule_noise); 0 for
+    families without the rule."""
+    from sweep_families import delta_rule_noise
+
+    if kind not in GATED_DELTA + KDA + MAMBA2:
+        return 0.0
+    torch.manual_seed(0)
+    return delta_rule_noise(tiny_hybrid(kind), data, ref_grads)
+
+
+def loop_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False):
+    """The gated delta rule token by token, in the inputs' dtype (its definition, as transformers'
+    torch_recurrent_gated_delta_rule computes it in fp32): q, k (B, L, H, dk), v (B, L, H, dv), g, beta (B, L, H)."""
+    b, length, h, dk = k.shape
+    state = initial_state if initial_state is not None else v.new_zeros(b, h, dk, v.shape[-1])
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q = q * dk ** -0.5
+    out = []
+    for t in range(length):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (v[:, t] - (state * k[:, t, :, :, None]).sum(-2)) * beta[:, t, :, None]  # (B, H, dv)
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        out.append((state * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(out, 1), state if output_final_state else None
+
+
+def fold_exact(zigzag: bool, length: int = 37) -> dict:
+    """chunked_rule_over_ranks in fp64 against the rule over the whole sequence: outputs at this rank's tokens and
+    the gradients of every input (summed over the ranks), relative to their largest value."""
+    from hfcp.layout import Layout, build_step_batch
+    from hfcp.state_fold import chunked_rule_over_ranks
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(3)
+    shapes = {"q": (2, length, 3, 4), "k": (2, length, 3, 4), "v": (2, length, 3, 5), "g": (2, length, 3),
+              "beta": (2, length, 3)}
+    x = {n: torch.randn(s, generator=g, dtype=torch.float64) for n, s in shapes.items()}
+    x["g"], x["beta"] = -x["g"].abs() * 0.3, x["beta"].sigmoid()
+    x = {n: t.requires_grad_() for n, t in x.items()}
+    want, _ = loop_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True)
+    probe = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    want_grads = torch.autograd.grad((want * probe).sum(), list(x.values()))
+    layout = Layout(length, cp, zigzag)
+    step = build_step_batch(layout, rank, 2, None, None, torch.device("cpu"))
+    index = layout.local_index(rank)
+    local = {n: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, layout.padded_len - length)).index_select(1, index)
+             for n, t in x.items()}  # hfcp's end padding: zeros (no decay, no update)
+    got = chunked_rule_over_ranks(loop_delta_rule, local["q"], local["k"], local["v"],
+                                  {"g": local["g"], "beta": local["beta"]}, step, dist.group.WORLD,
+                                  use_qk_l2norm_in_kernel=True)
+    real = index < length
+    probe_local = torch.nn.functional.pad(probe, (0, 0, 0, 0, 0, layout.padded_len - length)).index_select(1, index)
+    grads = torch.autograd.grad((got * probe_local).sum(), list(x.values()))
+    err = {}
+    for (n, _), mine, ref in zip(x.items(), grads, want_grads):
+        total = mine.clone()
+        dist.all_reduce(total)
+        err[n] = float((total - ref).abs().max() / ref.abs().max())
+    out_err = float((got[:, real] - want.index_select(1, index[real])).abs().max().detach() / want.abs().max().detach())
+    return {"out_err": out_err, "grad_err": max(err.values()), "runs": len(layout.ranges(rank))}
+
+
+def cached_forward(kind: str) -> str:
+    """The message of a patched hybrid's forward with use_cache=True (generation)."""
+    model = tiny_hybrid(kind)
+    hfcp.patch(model, timeout=30)
+    try:
+        model(**batch("plain"), use_cache=True)
+        return "ran"
+    except ValueError as e:
+        return str(e)
+    finally:
+        hfcp.unpatch(model)
+
+
+def gathered_bytes(kind: str) -> dict:
+    """Bytes this rank contributed to the all-gathers of the conv halos and the state folds in one forward (ring,
+    zigzag), by the module that called them, beside hfcp.attention.volume's forward half for the same shapes."""
+    import hfcp.collectives as C
+    from hfcp.attention.volume import conv_halo_bytes, state_fold_bytes
+
+    model = tiny_hybrid(kind)
+    seen = {"conv_halo": 0, "state_fold": 0}
+    gather = C.all_gather_no_grad
+
+    def counting(x, group, dim):
+        import inspect
+
+        callers = {f.frame.f_globals.get("__name__", "") for f in inspect.stack()[1:6]}
+        for name in seen:
+            if f"hfcp.{name}" in callers:
+                seen[name] += x.numel() * x.element_size()
+        return gather(x, group, dim)
+
+    hfcp.patch(model, timeout=30)
+    C.all_gather_no_grad = counting
+    try:
+        model(**batch("plain"))
+    finally:
+        C.all_gather_no_grad = gather
+        hfcp.unpatch(model)
+    cfg, cp = model.config, dist.get_world_size()
+    layers = cfg.layer_types.count("linear_attention")
+    channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    conv = layers * conv_halo_bytes(2, channels, cfg.linear_conv_kernel_dim, cp, dtype_bytes=4) / 2
+    fold = layers * state_fold_bytes(2, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                     cp) / 2
+    return {"conv_sent": seen["conv_halo"] * (cp - 1), "conv_formula": conv,
+            "fold_sent": seen["state_fold"] * (cp - 1), "fold_formula": fold}
+
+
+def changed_form(kind: str = "qwen3_next") -> str:
+    """hfcp.patch's message for a model whose delta-rule layers have a forward of another form (here: one that
+    reverses the tokens first, a mixing hfcp would not see), under the class name the record names."""
+    model = tiny_hybrid(kind)
+    layers = [layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")]
+    base = type(layers[0])
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        return base.forward(self, hidden_states.flip(1), cache, attention_mask, **kwargs)
+
+    changed = type(base.__name__, (base,), {"forward": forward})
+    for layer in layers:
+        layer.__class__ = changed
+    try:
+        hfcp.patch(model, timeout=30)
+        hfcp.unpatch(model)
+        return "patched"
+    except ValueError as e:
+        return str(e)

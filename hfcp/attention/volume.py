@@ -40,3 +40,24 @@ def _ulysses(tokens: float, heads: int, kv_heads: int, u: int, e: int) -> float:
     share = (u - 1) / u  # what leaves the rank in an all-to-all
     qkv, out = (heads + 2 * kv_heads) * tokens, heads * tokens
     return share * (qkv + out) * e * 2  # q/k/v and the output forward; dout and dq/dk/dv backward
+
+
+def _runs(zigzag: bool) -> int:
+    return 2 if zigzag else 1  # runs of consecutive tokens per rank
+
+
+def conv_halo_bytes(batch: int, channels: int, kernel: int, cp: int, zigzag: bool = True,
+                    dtype_bytes: int = 2) -> float:
+    """Per-rank bytes sent by one causal convolution layer (hfcp/conv_halo.py) in one training step: the last
+    kernel-1 inputs of each run, all-gathered forward, their gradient reduce-scattered backward. Independent of the
+    sequence length."""
+    piece = _runs(zigzag) * (kernel - 1) * channels * batch
+    return 2 * (cp - 1) * piece * dtype_bytes
+
+
+def state_fold_bytes(batch: int, heads: int, key_dim: int, value_dim: int, cp: int, zigzag: bool = True) -> float:
+    """Per-rank bytes sent by one delta-rule layer (hfcp/state_fold.py) in one training step: each run's final state
+    and transition, [S_loc | M] (heads x key_dim x (value_dim + key_dim), fp32), all-gathered forward, their
+    gradient reduce-scattered backward. Independent of the sequence length."""
+    piece = _runs(zigzag) * batch * heads * key_dim * (value_dim + key_dim)
+    return 2 * (cp - 1) * piece * FP32

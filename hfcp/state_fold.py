@@ -1,0 +1,91 @@
+"""Chunked linear recurrences over the global sequence, computed on each rank's tokens (DESIGN.md, "Recurrent
+mixers"; issue 19).
+
+The recurrences here carry a matrix state S (B, H, dk, dv) whose dv columns evolve independently and linearly in
+the state and the values, as the gated delta rule does (S_t = A_t S_{t-1} + k_t u_t^T, A_t = a_t (I - b_t k_t k_t^T)).
+A run of consecutive tokens then maps its initial state to
+
+    S_out = M @ S_in + S_loc        out_t = o_t + Q_t @ S_in
+
+with M (dk, dk) the run's transition, S_loc and o its final state and outputs from a zero state, and Q_t (dk,) the
+response of output t to the initial state. One call of the family's own kernel gives all four: the values get dk
+extra columns of zeros and the initial state is [0 | I], so the last dk columns of the final state are M and those
+of the output are Q. Every rank sends [S_loc | M] of each of its runs in one all-gather; the state at a run's start
+is the fold of the runs before it in sequence order (in fp32, whichever rank holds them under the zigzag layout),
+and its outputs are corrected by Q @ S_in. Autograd through the fold and the all-gather, whose backward sums each
+state's gradient back to the rank that owns the run, gives the backward; no rank waits on another in a chain.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .collectives import all_gather
+from .layout import StepBatch
+
+
+def _runs(x: torch.Tensor, count: int) -> torch.Tensor:
+    """(B, count * n, ...) -> (count * B, n, ...): this rank's runs stacked along the batch."""
+    return torch.cat(x.chunk(count, dim=1), 0)
+
+
+def _unruns(x: torch.Tensor, count: int) -> torch.Tensor:
+    """(count * B, n, ...) -> (B, count * n, ...)."""
+    return torch.cat(x.chunk(count, dim=0), 1)
+
+
+def fold_initial_states(finals: torch.Tensor, step: StepBatch, group) -> torch.Tensor:
+    """The state at the start of each of this rank's runs.
+
+    finals: (runs, B, H, dk, dv + dk) fp32, each local run's [S_loc | M] in local order.
+    Returns: (runs, B, H, dk, dv) fp32; zero for the run at the sequence start.
+    """
+    dk = finals.shape[-2]
+    dv = finals.shape[-1] - dk
+    table = all_gather(finals, group, 0)  # (runs * cp, ...) in layout.all_ranges() order
+    starts = [first for first, _ in step.layout.all_ranges()]
+    order = sorted(range(len(starts)), key=starts.__getitem__)  # runs in sequence order, back to back
+    state = finals.new_zeros(finals.shape[1:-1] + (dv,))  # (B, H, dk, dv): at the sequence start
+    prefix = []  # the state at the start of each run, in sequence order
+    for i in order:
+        prefix.append(state)
+        state = table[i][..., dv:] @ state + table[i][..., :dv]  # M @ S_in + S_loc
+    # picked from the whole fold, so that every rank's result depends on the all-gather (its backward is a
+    # collective every rank must join, also a rank whose only run starts the sequence)
+    at = {starts[i]: n for n, i in enumerate(order)}
+    mine = torch.tensor([at[first] for first, _ in step.layout.ranges(step.rank)], device=finals.device)
+    return torch.stack(prefix).index_select(0, mine)
+
+
+def chunked_rule_over_ranks(rule: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            per_token: dict, step: StepBatch, group, out_dtype: torch.dtype | None = None,
+                            **options) -> torch.Tensor:
+    """What `rule(query, key, value, **per_token, **options)[0]` gives over the global sequence, at this rank's tokens.
+
+    Args:
+        rule: the family's chunked kernel, called as rule(q, k, v, **per_token, initial_state=, output_final_state=True,
+            **options) -> (out (B, n, Hv, dv), final state (B, Hv, dk, dv)); its state must be linear in the initial
+            state and the values, column by column (the gated delta rule and KDA are).
+        query, key: (B, L_local, Hk, dk); value: (B, L_local, Hv, dv), this rank's tokens in local order.
+        per_token: tensors with the token dim at 1 (the decay g, beta), cut with the runs.
+        out_dtype: the dtype the rule returns on one device (default: the query's).
+        options: passed through (use_qk_l2norm_in_kernel).
+    Returns: (B, L_local, Hv, dv) in out_dtype.
+    """
+    count = len(step.layout.ranges(step.rank))
+    batch, _, heads, dv = value.shape
+    dk = key.shape[-1]
+    f32 = torch.promote_types(value.dtype, torch.float32)  # the fold's dtype: fp32, or fp64 for fp64 inputs
+    values = torch.cat([_runs(value, count).to(f32), value.new_zeros(count * batch, value.shape[1] // count, heads, dk,
+                                                                     dtype=f32)], -1)  # (runs*B, n, Hv, dv + dk)
+    identity = torch.eye(dk, dtype=f32, device=value.device).expand(count * batch, heads, dk, dk)
+    initial = torch.cat([identity.new_zeros(count * batch, heads, dk, dv), identity], -1)  # [0 | I]
+    out, final = rule(_runs(query, count).to(f32), _runs(key, count).to(f32), values,
+                      **{k: _runs(t, count) for k, t in per_token.items()}, initial_state=initial,
+                      output_final_state=True, **options)
+    finals = final.to(f32).reshape(count, batch, heads, dk, dv + dk)
+    at_start = fold_initial_states(finals, step, group).reshape(count * batch, heads, dk, dv)
+    out = out.to(f32)
+    corrected = out[..., :dv] + torch.einsum("bnhk,bhkv->bnhv", out[..., dv:], at_start)  # (runs*B, n, Hv, dv)
+    return _unruns(corrected, count).to(out_dtype or query.dtype)

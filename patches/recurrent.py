@@ -1,0 +1,170 @@
+"""Recurrent layers with a chunked scan (issue 19): gated delta nets (Qwen3-Next, Qwen3.5 and its MoE, OLMo-hybrid,
+Lara-mini), Kimi delta attention (Kimi-Linear, Bailing-hybrid) and Mamba-2 (mamba2, Bamba, Falcon-H1,
+Granite-4.0-H), each in a hybrid with attention layers (Mamba-2 also alone).
+
+Such a layer mixes tokens only in calls of module-level functions of its family: the padding rule
+`apply_mask_to_padding_states`, the causal depthwise convolution `causal_conv1d_fn`, and its chunked scan
+(`torch_chunk_gated_delta_rule`; `chunk_kimi_delta_attention`, whose decay is per key dimension;
+`mamba2_chunk_scan`); the per-token decode steps run only with a cache, and Mamba-2's fused training kernel only
+with mamba-ssm. While patched, hfcp runs the family's own forward code with those names bound to its
+context-parallel versions:
+- the padding: the family's rule, with this rank's columns of the padding from the step (the mask transformers
+  passes the layer is cut to the local length, another rank's columns under CP);
+- the convolution: over the global sequence with a halo from the chunk before (hfcp/conv_halo.py);
+- the scan: the family's kernel on each run of this rank's tokens, with the state at the run's start folded from
+  the runs before it (hfcp/state_fold.py); Mamba-2's state (head_dim x state) is the transpose of the delta rule's;
+- the decode steps and the fused kernel (which has no halo): refused, or declined so that the torch path runs.
+The forward's code is checked first: the globals it reads must be those names and torch, each token-mixing call
+appears as often as in the form hfcp knows, and it never calls its convolution module; a newer transformers that
+changes the form is refused, not guessed.
+
+What transformers does on one device, and hfcp reproduces: padded positions are zeroed where the family zeroes them
+(left padding exact). Packed rows are refused: the torch paths raise or cross document boundaries without
+flash-linear-attention / mamba-ssm, while the attention layers keep documents apart.
+"""
+from __future__ import annotations
+
+import dis
+import inspect
+import sys
+import types
+from dataclasses import dataclass
+
+import torch
+from transformers.activations import ACT2FN
+
+from hfcp.conv_halo import causal_depthwise_conv1d
+from hfcp.mixers import check_step_tokens, local_key_valid
+from hfcp.registry import Patcher, register_patcher
+from hfcp.state_fold import chunked_rule_over_ranks
+
+from .verified import TRANSFORMERS_VERSION
+
+
+@dataclass(frozen=True)
+class Scan:
+    """One kind of chunked scan, as the family code calls it."""
+
+    chunked: str  # the chunked kernel's name in the family module
+    decode: str  # its per-token decode step (cache only)
+    masks: int  # how often the forward calls apply_mask_to_padding_states
+    fused: str = ""  # a fused training kernel the forward tries first (it returns None without its package)
+
+
+DELTA = Scan("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", masks=1)
+KDA = Scan("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", masks=1)
+MAMBA2 = Scan("mamba2_chunk_scan", "mamba2_selective_state_update", masks=2, fused="mamba2_split_conv1d_scan_combined")
+SCANS = (DELTA, KDA, MAMBA2)
+RULES = tuple((s.chunked, s.decode) for s in SCANS)  # (chunked kernel, decode step) names, for the tests' noise probe
+_OTHER_GLOBALS = ("apply_mask_to_padding_states", "causal_conv1d_fn", "causal_conv1d_update", "torch", "F")
+
+
+def _raw_forward(module):
+    """(the family's forward code without transformers' decorators (kwarg renames, accelerate offload hooks), its
+    Scan)."""
+    forward = inspect.unwrap(type(module).forward)
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        source = ""
+    used = {i.argval for i in dis.get_instructions(forward) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    scan = next((s for s in SCANS if s.chunked in used), DELTA)
+    counts = {"apply_mask_to_padding_states(": scan.masks, "causal_conv1d_fn(": 1, f"{scan.chunked}(": 1,
+              "hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)": 1}
+    problems = [f"{call} {source.count(call)} times, not {n}" for call, n in counts.items() if source.count(call) != n]
+    problems += sorted(used - set(_OTHER_GLOBALS + (scan.chunked, scan.decode, scan.fused)))
+    problems += ["self.conv1d("] if "self.conv1d(" in source else []
+    conv = getattr(module, "conv1d", None)
+    if (problems or forward.__closure__ or not isinstance(conv, torch.nn.Conv1d)
+            or conv.padding[0] != conv.kernel_size[0] - 1 or conv.groups != conv.in_channels):
+        raise ValueError(f"hfcp: {type(module).__name__}'s forward is not the recurrent layer hfcp reproduces "
+                         f"(differs at: {problems or 'its convolution'}); this transformers version is not supported")
+    if any(getattr(m, "_hf_hook", None) is not None for m in module.modules()):
+        raise ValueError(f"hfcp: {type(module).__name__} has accelerate hooks (device_map offloading): hfcp runs its "
+                         "forward without them; load the model without offloading to train it under CP")
+    return forward, scan
+
+
+def _refuse_state(initial, final, packed) -> None:
+    if initial is not None or final or packed is not None:
+        raise ValueError("hfcp: a recurrent scan with a cache or packed sequences: unpatch to generate, and pass one "
+                         "document per row")
+
+
+def _delta_rule(kernel, step_of, group):
+    """The family's delta-rule kernel over the global sequence; its output in the kernel's dtype (the query's)."""
+    def rule(query, key, value, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **options):
+        _refuse_state(initial_state, output_final_state, cu_seqlens)
+        out = chunked_rule_over_ranks(kernel, query, key, value, {"g": g, "beta": beta}, step_of(), group,
+                                      out_dtype=query.dtype, **options)
+        return out, None
+
+    return rule
+
+
+def _mamba2_scan(kernel, step_of, group):
+    """mamba2_chunk_scan over the global sequence. Its state h (B, H, head_dim, N) takes x_t B_t^T per token and is
+    read by C_t: the delta rule's form with C as the query, B as the key and x as the value, transposed."""
+    def transposed(c, b, x, dt, initial_state, output_final_state, **options):  # the fold's convention
+        out, final = kernel(x, dt, B=b, C=c, initial_states=initial_state.transpose(-1, -2), return_final_states=True,
+                            **options)
+        return out, final.transpose(-1, -2)
+
+    def scan(hidden_states, dt, A, B, C, chunk_size, initial_states=None, return_final_states=False, seq_idx=None,
+             cu_seqlens=None, **options):
+        _refuse_state(initial_states, return_final_states, seq_idx if seq_idx is not None else cu_seqlens)
+        # (B, L, H, head_dim) in fp32, as the kernel returns it
+        return chunked_rule_over_ranks(transposed, C, B, hidden_states, {"dt": dt}, step_of(), group,
+                                       out_dtype=torch.float32, A=A, chunk_size=chunk_size, **options)
+
+    return scan
+
+
+def recurrent_forward(state, module, step_of):
+    """The forward hfcp binds to a recurrent module (checked once, here, at patch time): the family's own code with
+    its token-mixing calls over the global sequence. step_of() is the step of the current call."""
+    raw, scan = _raw_forward(module)
+    family = sys.modules[type(module).__module__]
+    pad_states, kernel = family.apply_mask_to_padding_states, getattr(family, scan.chunked)
+    group = state.mesh.cp_group
+
+    def padding(hidden_states, attention_mask):  # (B, L_local, ...): this rank's columns of the padding, from the step
+        return pad_states(hidden_states, local_key_valid(step_of()))
+
+    def convolution(x, weight, bias=None, activation=None, **kwargs):  # (B, C, L_local) -> the same
+        out = causal_depthwise_conv1d(x.to(weight.dtype), weight, bias, step_of(), group)
+        return (ACT2FN[activation](out) if activation is not None else out).to(x.dtype)
+
+    def decode_step(*args, **kwargs):
+        raise ValueError(f"hfcp: {type(module).__name__}'s cached decode step (generation): unpatch to generate")
+
+    def no_fused_kernel(*args, **kwargs):  # the family then takes its torch path, whose calls hfcp replaces
+        return None
+
+    chunked = (_mamba2_scan if scan is MAMBA2 else _delta_rule)(kernel, step_of, group)
+    bound = dict(raw.__globals__, apply_mask_to_padding_states=padding, causal_conv1d_fn=convolution,
+                 causal_conv1d_update=decode_step, **{scan.chunked: chunked, scan.decode: decode_step})
+    if scan.fused:
+        bound[scan.fused] = no_fused_kernel
+    code = types.FunctionType(raw.__code__, bound, raw.__name__, raw.__defaults__)
+    code.__kwdefaults__ = raw.__kwdefaults__
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        cache = cache if cache is not None else kwargs.pop("cache_params", None)
+        if cache is not None:
+            raise ValueError(f"hfcp: a cache in {type(self).__name__} (generation): unpatch to generate")
+        check_step_tokens(self, hidden_states, step_of(), "recurrent scan")
+        return code(self, hidden_states, cache=None, attention_mask=attention_mask, **kwargs)
+
+    return forward
+
+
+RECORDS = (("qwen3_next", "Qwen3NextGatedDeltaNet"), ("qwen3_5_text", "Qwen3_5GatedDeltaNet"),
+           ("qwen3_5_moe_text", "Qwen3_5MoeGatedDeltaNet"), ("olmo_hybrid", "OlmoHybridGatedDeltaNet"),
+           ("lara_mini", "LaraMiniGatedDeltaNet"),
+           ("kimi_linear", "KimiLinearDeltaAttention"), ("bailing_hybrid", "BailingHybridDeltaAttention"),
+           ("mamba2", "Mamba2Mixer"), ("bamba", "BambaMixer"), ("falcon_h1", "FalconH1Mixer"),
+           ("granitemoehybrid", "GraniteMoeHybridMambaLayer"))
+for _type, _cls in RECORDS:
+    register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True,
+                             verified_with=TRANSFORMERS_VERSION, mixers=((_cls, recurrent_forward),)), replace=True)

@@ -1,0 +1,92 @@
+"""Recurrent layers under CP (patches/recurrent.py): gated delta nets (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-hybrid,
+Lara-mini), Kimi delta attention (Kimi-Linear, Bailing-hybrid) and Mamba-2 (mamba2, Bamba, Falcon-H1, Granite-4.0-H):
+each recurrent layer's convolution takes its halo from the rank before, and its scan runs on each run of this rank's
+tokens from the state folded over the runs before it (hfcp/state_fold.py); the attention layers run the chosen
+strategy.
+
+The engine's fold is exact in fp64 (1e-16). The families' kernel computes in fp32 whatever the model's dtype, and
+the decay parameters' (A_log, dt_bias) gradients are sums with cancellation, so the model-level comparisons hold
+hfcp to the kernel's own fp32 noise on one device: the same model with the kernel's chunks of 16 tokens instead
+of its default differs from itself by up to 3e-4 (the "noise" each run measures)."""
+import pytest
+
+import workers_mixers as W
+
+
+def _exact(r):
+    tolerance = 2 * r["noise"] + 1e-5  # hfcp's error within twice the kernel's own
+    assert r["noise"] > 0 and r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < tolerance, r
+    assert r["conv_params"] and r["conv_grad_err"] < tolerance, r  # conv and decay parameters: the states came back
+
+
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_state_fold_is_exact_in_fp64(pool2, pool4, zigzag):
+    # the gated delta rule token by token over the whole sequence against runs of it on 2 and 4 ranks, folded
+    for pool in (pool2, pool4):
+        for r in pool.run(W.fold_exact, zigzag):
+            assert r["out_err"] < 1e-12 and r["grad_err"] < 1e-12, r
+
+
+@pytest.mark.parametrize("kind, case, strategy", [("qwen3_next", "plain", "ring"), ("qwen3_next", "padding", "allgather"),
+                                                  ("qwen3_5_text", "padding", "ulysses"),
+                                                  ("qwen3_5_moe_text", "padding", "ring"),
+                                                  ("olmo_hybrid", "padding", "allgather"),
+                                                  ("lara_mini", "padding", "ring"),  # lara_mini: sliding windows
+                                                  ("kimi_linear", "padding", "ring"),  # KDA: a decay per key dim
+                                                  ("bailing_hybrid", "padding", "allgather")])
+def test_gated_delta_hybrids_equal_the_unpatched_model(pool2, kind, case, strategy):
+    for r in pool2.run(W.compare, kind, case, strategy):
+        _exact(r)
+        assert r["restored"], r
+
+
+def test_gated_delta_at_cp4(pool4):
+    for r in pool4.run(W.compare, "qwen3_next", "padding"):  # chunks of 5 tokens: states and a halo of 3 cross ranks
+        _exact(r)
+
+
+def test_gated_delta_under_gradient_checkpointing(pool2):
+    for r in pool2.run(W.compare, "qwen3_5_text", "padding", "ring", "checkpointing"):
+        _exact(r)
+
+
+def test_gated_delta_packed_rows_are_refused(pool2):
+    for r in pool2.run(W.compare, "qwen3_next", "packed"):
+        assert "packed rows" in r.get("refused", "") and "recurrent scan crosses document boundaries" in r["refused"], r
+
+
+def test_gated_delta_single_row_with_padding(pool2):
+    for r in pool2.run(W.compare, "qwen3_next", "one_row_padding"):
+        _exact(r)
+
+
+def test_gated_delta_cache_is_refused(pool2):
+    for r in pool2.run(W.cached_forward, "qwen3_next"):
+        assert "is not supported: call hfcp.unpatch(model) to generate" in r, r  # before any layer runs
+
+
+def test_state_exchange_volume_matches_what_is_sent(pool2):
+    # hfcp.attention.volume's conv halo and state fold bytes (forward half) against what the forward all-gathered
+    for r in pool2.run(W.gathered_bytes, "qwen3_next"):
+        assert r["conv_sent"] > 0 and r["conv_sent"] == r["conv_formula"], r
+        assert r["fold_sent"] > 0 and r["fold_sent"] == r["fold_formula"], r
+
+
+def test_a_delta_rule_layer_of_another_form_is_refused(pool2):
+    # a transformers version (or a user's subclass) whose layer mixes tokens in code hfcp does not reproduce
+    for r in pool2.run(W.changed_form):
+        assert "is not the recurrent layer hfcp reproduces" in r, r
+
+
+@pytest.mark.parametrize("kind, strategy", [("mamba2", "allgather"), ("bamba", "ring"), ("falcon_h1", "ulysses"),
+                                            ("granitemoehybrid", "ring")])
+def test_mamba2_layers_equal_the_unpatched_model(pool2, kind, strategy):
+    # Mamba-2's scan (state head_dim x state, a scalar decay per head) through the same fold; mamba2 has no attention
+    for r in pool2.run(W.compare, kind, "padding", strategy):
+        _exact(r)
+        assert r["restored"], r
+
+
+def test_mamba2_at_cp4_under_gradient_checkpointing(pool4):
+    for r in pool4.run(W.compare, "bamba", "padding", "ring", "checkpointing"):
+        _exact(r)
