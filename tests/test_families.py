@@ -48,11 +48,11 @@ def test_records_a_user_registers_are_held_to_the_same_checks(pool2, sweep):
     # every type the sweep refuses, registered as a user would (attention classes named by hand): exact or refused,
     # never silently wrong or a raw error (before, 4 came out wrong and 2 crashed this way: sweep_families.SKIP)
     out = pool2.run(S.user_records, S.user_record_types(sweep), timeout=900)[0]
-    assert len(out) >= 40, len(out)
+    assert len(out) >= 30, len(out)  # (fewer as hfcp learns families: 38 once the hybrids of issue 19 were exact)
     bad = [r for r in out if r["result"] not in ("exact", "refused")]
     assert not bad, bad
     reasons = {r["type"]: r["detail"] for r in out}
-    assert "mixes tokens without attention" in reasons["falcon_h1"] or "sequence mixer" in reasons["falcon_h1"], reasons
+    assert "mixes tokens without attention" in reasons["zamba"], reasons["zamba"]  # a Mamba 1 hybrid
     assert "MultiHeadAttention does not compute attention through" in reasons["xlm"], reasons["xlm"]
     assert "(RobertaSelfAttention, inside it, does: name that class)" in reasons["roberta"], reasons["roberta"]
 
