@@ -25,6 +25,13 @@ def test_verify_a_checkpoint_directory_with_its_text(tmp_path):
     assert report["loss_err"] < 1e-5 and report["grad_err"] < 1e-4 and len(report["peak_mem_mb"]) == 2
 
 
+def test_verify_a_recurrent_hybrid():
+    # Qwen3-Next's tiny model: a gated delta net layer and an attention layer (issue 19)
+    rc, report, err = _verify("--model", "qwen3_next", "--seq-len", "64", "--cp-size", "2")
+    assert rc == 0 and report["verdict"] == "exact", (report, err[-2000:])
+    assert report["loss_err"] < 1e-5 and report["grad_err"] < 1e-4 and report["logit_err"] < 1e-4, report
+
+
 def test_verify_a_model_type_that_hfcp_refuses_exits_nonzero():
     rc, report, _ = _verify("--model", "jamba", "--seq-len", "32", "--cp-size", "2")
     assert rc == 1 and report["verdict"] == "refused" and "jamba" in report["reason"], report
