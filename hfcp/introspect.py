@@ -27,7 +27,7 @@ from .router_loss import RouterAux, check_form
 # class-name fragments of sequence mixers other than attention (state-space, convolution, recurrence, linear attention)
 _OTHER_MIXERS = re.compile(r"Mamba|SSM|Mixer|ShortConv|DeltaNet|LinearAttention|Recurrent|RGLRU|"
                            r"Retention|Rwkv|TimeMix|Hyena|Lightning")
-_PER_TOKEN = re.compile(r"(Norm|MLP)$")  # such names of those families are per-token modules (Mamba2RMSNorm)
+_PER_TOKEN = re.compile(r"Norm$")  # such names of those families are per-token norms (Mamba2RMSNorm)
 
 
 @functools.lru_cache(maxsize=None)

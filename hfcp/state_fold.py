@@ -72,6 +72,9 @@ def chunked_rule_over_ranks(rule: Callable, query: torch.Tensor, key: torch.Tens
         out_dtype: the dtype the rule returns on one device (default: the query's).
         options: passed through (use_qk_l2norm_in_kernel).
     Returns: (B, L_local, Hv, dv) in out_dtype.
+
+    Raises:
+        RuntimeError: the rule's final state is not (B, Hv, dk, dv + dk).
     """
     count = len(step.layout.ranges(step.rank))
     batch, _, heads, dv = value.shape
@@ -84,6 +87,10 @@ def chunked_rule_over_ranks(rule: Callable, query: torch.Tensor, key: torch.Tens
     out, final = rule(_runs(query, count).to(f32), _runs(key, count).to(f32), values,
                       **{k: _runs(t, count) for k, t in per_token.items()}, initial_state=initial,
                       output_final_state=True, **options)
+    if tuple(final.shape) != (count * batch, heads, dk, dv + dk):
+        raise RuntimeError(f"hfcp: the recurrent kernel returned a final state of shape {tuple(final.shape)}, not "
+                           f"{(count * batch, heads, dk, dv + dk)} (batch, heads, key dim, value dims): its state is "
+                           "not the form hfcp folds")
     finals = final.to(f32).reshape(count, batch, heads, dk, dv + dk)
     at_start = fold_initial_states(finals, step, group).reshape(count * batch, heads, dk, dv)
     out = out.to(f32)

@@ -1,6 +1,7 @@
 """Tiny random causal LMs of any transformers model_type: what the family sweep (tests/sweep_families.py) and
 `hfcp verify --model MODEL_TYPE` run. The config keeps the family's features (one layer of each kind its
-layer_types lists, sliding windows where the family has one, attention chunks, MoE with the router aux loss, MLA head dims, softcaps set low, logit scales) at a size that runs in milliseconds."""
+layer_types lists, sliding windows where the family has one, attention chunks, MoE with the router aux loss, MLA
+head dims, small SSM dimensions, softcaps set low, logit scales) at a size that runs in milliseconds."""
 from __future__ import annotations
 
 import warnings
@@ -48,8 +49,8 @@ def tiny_config(model_type: str):
         if kinds and default.get_text_config() is default:
             try:  # passed in, so that the config derives what depends on them
                 cfg = cls(**{**settable, **extra, "num_hidden_layers": len(kinds), "layer_types": kinds})
-            except Exception:  # noqa: BLE001 - a config that derives its layers otherwise (RecurrentGemma): as it is
-                cfg = None
+            except (ValueError, TypeError, AttributeError, KeyError):  # a config that derives its layers otherwise
+                cfg = None  # (RecurrentGemma): as it is
         cfg = cfg or cls(**{**settable, **extra})  # (a config property without a setter keeps its own value)
     text = cfg.get_text_config()
     if text is not cfg:  # a composite config: shrink its text part the same way
@@ -78,7 +79,8 @@ def _ssm_dims(default) -> dict:
         out["mamba_n_heads"] = TINY["hidden_size"] * default.mamba_expand // SSM["mamba_d_head"]
         if hasattr(default, "mamba_d_ssm"):  # Falcon-H1: an SSM width of its own, else hidden_size x expand
             out["mamba_d_ssm"] = None
-    if hasattr(default, "num_heads") and isinstance(getattr(default, "expand", None), int) and hasattr(default, "state_size"):
+    if (hasattr(default, "num_heads") and hasattr(default, "state_size")
+            and isinstance(getattr(default, "expand", None), int)):  # Mamba-2's heads
         out["num_heads"] = TINY["hidden_size"] * default.expand // TINY["head_dim"]
     return out
 

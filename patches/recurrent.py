@@ -13,7 +13,8 @@ context-parallel versions:
 - the convolution: over the global sequence with a halo from the chunk before (hfcp/conv_halo.py);
 - the scan: the family's kernel on each run of this rank's tokens, with the state at the run's start folded from
   the runs before it (hfcp/state_fold.py); Mamba-2's state (head_dim x state) is the transpose of the delta rule's;
-- the decode steps and the fused kernel (which has no halo): refused, or declined so that the torch path runs.
+- the decode steps and the fused kernel (which has no halo): refused, or declined so that the torch path runs; the
+  scan is always the family's torch kernel (flash-linear-attention's and mamba-ssm's have not run under hfcp).
 The forward's code is checked first: the globals it reads must be those names and torch, each token-mixing call
 appears as often as in the form hfcp knows, and it never calls its convolution module; a newer transformers that
 changes the form is refused, not guessed.
@@ -55,7 +56,7 @@ DELTA = Scan("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
 KDA = Scan("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", masks=1)
 MAMBA2 = Scan("mamba2_chunk_scan", "mamba2_selective_state_update", masks=2, fused="mamba2_split_conv1d_scan_combined")
 SCANS = (DELTA, KDA, MAMBA2)
-RULES = tuple((s.chunked, s.decode) for s in SCANS)  # (chunked kernel, decode step) names, for the tests' noise probe
+RULES = tuple((s.chunked, s.decode) for s in SCANS)  # (chunked kernel, decode step) names
 _OTHER_GLOBALS = ("apply_mask_to_padding_states", "causal_conv1d_fn", "causal_conv1d_update", "torch", "F")
 
 
@@ -91,10 +92,19 @@ def _refuse_state(initial, final, packed) -> None:
                          "document per row")
 
 
+def _refuse_unknown_tensors(options: dict, known: tuple) -> None:
+    """A tensor argument of the scan that hfcp does not know could be per token, which the runs would not cut."""
+    unknown = sorted(k for k, v in options.items() if isinstance(v, torch.Tensor) and k not in known)
+    if unknown:
+        raise ValueError(f"hfcp: the recurrent scan gets tensor arguments {unknown} that hfcp does not split over the "
+                         "ranks; this transformers version is not supported")
+
+
 def _delta_rule(kernel, step_of, group):
     """The family's delta-rule kernel over the global sequence; its output in the kernel's dtype (the query's)."""
     def rule(query, key, value, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **options):
         _refuse_state(initial_state, output_final_state, cu_seqlens)
+        _refuse_unknown_tensors(options, ())
         out = chunked_rule_over_ranks(kernel, query, key, value, {"g": g, "beta": beta}, step_of(), group,
                                       out_dtype=query.dtype, **options)
         return out, None
@@ -113,6 +123,7 @@ def _mamba2_scan(kernel, step_of, group):
     def scan(hidden_states, dt, A, B, C, chunk_size, initial_states=None, return_final_states=False, seq_idx=None,
              cu_seqlens=None, **options):
         _refuse_state(initial_states, return_final_states, seq_idx if seq_idx is not None else cu_seqlens)
+        _refuse_unknown_tensors(options, ("D", "dt_bias"))  # per head (a gate z would be per token: refused)
         # (B, L, H, head_dim) in fp32, as the kernel returns it
         return chunked_rule_over_ranks(transposed, C, B, hidden_states, {"dt": dt}, step_of(), group,
                                        out_dtype=torch.float32, A=A, chunk_size=chunk_size, **options)
@@ -125,7 +136,9 @@ def recurrent_forward(state, module, step_of):
     its token-mixing calls over the global sequence. step_of() is the step of the current call."""
     raw, scan = _raw_forward(module)
     family = sys.modules[type(module).__module__]
-    pad_states, kernel = family.apply_mask_to_padding_states, getattr(family, scan.chunked)
+    # the torch kernel under transformers' hub wrapper: with flash-linear-attention or mamba-ssm installed the wrapper
+    # dispatches to their kernels, which have not run under hfcp (no GPU yet), so hfcp keeps to the torch path
+    pad_states, kernel = family.apply_mask_to_padding_states, inspect.unwrap(getattr(family, scan.chunked))
     group = state.mesh.cp_group
 
     def padding(hidden_states, attention_mask):  # (B, L_local, ...): this rank's columns of the padding, from the step

@@ -100,7 +100,7 @@ def _check(model_type: str, aux_loss: bool = True) -> dict:
     # digits of the CPU kernels (those differ between machines); the measured errors travel beside it
     errors = f"loss {loss_err:.1e}, grad {grad_err:.1e}" + ("" if same_keys else ", grads differ")
     within = (f"{GRAD_TOL:.0e}" if tolerance == GRAD_TOL
-              else "twice the fp32 noise of the family's own delta-rule kernel on one device")
+              else "twice the fp32 noise of the family's own recurrent kernel on one device")
     detail = f"{', '.join(errs)}: " + (f"loss within {LOSS_TOL:.0e}, every gradient within {within}" if exact
                                        else errors)
     if not exact:
@@ -121,7 +121,7 @@ def _tolerance(make, data: dict, want: dict) -> float:
 
 
 def delta_rule_noise(model, data: dict, want: dict) -> float:
-    """The fp32 noise of a family's own delta-rule kernel on one device (0 for a family without one): the
+    """The fp32 noise of a family's own recurrent kernel (a delta rule, Mamba-2's scan) on one device (0 without): the
     worst gradient error of `model` with the kernel's chunks of 16 tokens against `want`, its default chunks (64, 256)
     (the same mathematics, another rounding). The kernel computes in fp32 whatever the model's dtype, and the decay
     parameters' gradients are sums with cancellation, so this noise can exceed GRAD_TOL on one device alone."""

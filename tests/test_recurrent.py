@@ -86,3 +86,28 @@ def test_mamba2_layers_equal_the_unpatched_model(pool2, kind, strategy):
 def test_mamba2_at_cp4_under_gradient_checkpointing(pool4):
     for r in pool4.run(W.compare, "bamba", "padding", "ring", "checkpointing"):
         _exact(r)
+
+
+def test_a_scan_tensor_argument_hfcp_does_not_split_is_refused():
+    import torch
+
+    from hfcp.patches.recurrent import _refuse_unknown_tensors
+
+    _refuse_unknown_tensors({"D": torch.ones(4), "dt_limit": (0.0, 1.0), "z": None}, ("D", "dt_bias"))  # known: fine
+    with pytest.raises(ValueError, match=r"tensor arguments \['z'\]"):  # a per-token gate the runs would not cut
+        _refuse_unknown_tensors({"D": torch.ones(4), "z": torch.ones(2, 8, 4, 6)}, ("D", "dt_bias"))
+
+
+def test_a_kernel_whose_state_is_not_the_folded_form_is_refused():
+    import torch
+
+    from hfcp.layout import Layout, build_step_batch
+    from hfcp.state_fold import chunked_rule_over_ranks
+
+    def rule(q, k, v, g, initial_state, output_final_state):  # a state of another layout: (B, H, dv + dk, dk)
+        return v, initial_state.transpose(-1, -2)
+
+    step = build_step_batch(Layout(16, 2, True), 0, 1, None, None, torch.device("cpu"))
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(RuntimeError, match="not the form hfcp folds"):  # raised before any collective
+        chunked_rule_over_ranks(rule, q, q, torch.randn(1, 8, 2, 3), {"g": torch.zeros(1, 8, 2)}, step, None)

@@ -118,7 +118,7 @@ def compare(kind: str, case: str, strategy: str = "ring", checkpointing: str = "
 
 
 def kernel_noise(kind: str, data: dict, ref_grads: dict) -> float:
-    """The fp32 noise of the family's own delta-rule kernel on one device (sweep_families.delta_rule_noise); 0 for
+    """The fp32 noise of the family's own recurrent kernel on one device (sweep_families.delta_rule_noise); 0 for
     families without the rule."""
     from sweep_families import delta_rule_noise
 
