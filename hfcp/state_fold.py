@@ -35,6 +35,23 @@ def _unruns(x: torch.Tensor, count: int) -> torch.Tensor:
     return torch.cat(x.chunk(count, dim=0), 1)
 
 
+def _fold_in_order(table: torch.Tensor, step: StepBatch, state: torch.Tensor, advance: Callable) -> torch.Tensor:
+    """The state at the start of each of this rank's runs, (runs, ...): `table` holds every run's row in
+    layout.all_ranges() order, `state` is the state at the sequence start, advance(row, state) the state after a run.
+
+    Every rank's result is picked from the whole fold, so that it depends on the all-gather of `table` (its backward
+    is a collective every rank must join, also a rank whose only run starts the sequence)."""
+    starts = [first for first, _ in step.layout.all_ranges()]
+    order = sorted(range(len(starts)), key=starts.__getitem__)  # runs in sequence order, back to back
+    prefix = []
+    for i in order:
+        prefix.append(state)
+        state = advance(table[i], state)
+    at = {starts[i]: n for n, i in enumerate(order)}
+    mine = torch.tensor([at[first] for first, _ in step.layout.ranges(step.rank)], device=table.device)
+    return torch.stack(prefix).index_select(0, mine)
+
+
 def fold_initial_states(finals: torch.Tensor, step: StepBatch, group) -> torch.Tensor:
     """The state at the start of each of this rank's runs.
 
@@ -44,18 +61,8 @@ def fold_initial_states(finals: torch.Tensor, step: StepBatch, group) -> torch.T
     dk = finals.shape[-2]
     dv = finals.shape[-1] - dk
     table = all_gather(finals, group, 0)  # (runs * cp, ...) in layout.all_ranges() order
-    starts = [first for first, _ in step.layout.all_ranges()]
-    order = sorted(range(len(starts)), key=starts.__getitem__)  # runs in sequence order, back to back
-    state = finals.new_zeros(finals.shape[1:-1] + (dv,))  # (B, H, dk, dv): at the sequence start
-    prefix = []  # the state at the start of each run, in sequence order
-    for i in order:
-        prefix.append(state)
-        state = table[i][..., dv:] @ state + table[i][..., :dv]  # M @ S_in + S_loc
-    # picked from the whole fold, so that every rank's result depends on the all-gather (its backward is a
-    # collective every rank must join, also a rank whose only run starts the sequence)
-    at = {starts[i]: n for n, i in enumerate(order)}
-    mine = torch.tensor([at[first] for first, _ in step.layout.ranges(step.rank)], device=finals.device)
-    return torch.stack(prefix).index_select(0, mine)
+    start = finals.new_zeros(finals.shape[1:-1] + (dv,))  # (B, H, dk, dv)
+    return _fold_in_order(table, step, start, lambda row, s: row[..., dv:] @ s + row[..., :dv])  # M @ S_in + S_loc
 
 
 def chunked_rule_over_ranks(rule: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -96,3 +103,38 @@ def chunked_rule_over_ranks(rule: Callable, query: torch.Tensor, key: torch.Tens
     out = out.to(f32)
     corrected = out[..., :dv] + torch.einsum("bnhk,bhkv->bnhv", out[..., dv:], at_start)  # (runs*B, n, Hv, dv)
     return _unruns(corrected, count).to(out_dtype or query.dtype)
+
+
+def scalar_decay_over_ranks(scan: Callable, log_decay: torch.Tensor, read: torch.Tensor, per_token: dict,
+                            step: StepBatch, group, out_dtype: torch.dtype, **options) -> torch.Tensor:
+    """What `scan(**per_token, **options)` gives over the global sequence, at this rank's tokens, for a scan whose
+    state h (B, H, P, N) decays by one scalar per head and token (Mamba-2's SSD): h_t = exp(l_t) h_{t-1} + u_t and
+    y_t = h_t read_t + (terms without the state). A run's transition is then exp(sum of l) and the response of its
+    outputs to the initial state exp(cumsum l)_t h_in read_t, both from l directly, so the kernel runs once per run
+    on its own columns; only the final states and the runs' total log decays travel.
+
+    Args:
+        scan: called as scan(**per_token cut into runs, return_final_states=True, **options) -> (out (B, n, H, P),
+            final state (B, H, P, N)).
+        log_decay: (B, L_local, H) l_t, as the kernel computes it.
+        read: (B, L_local, H, N) the vector each token's output reads the state with.
+        per_token: the kernel's per-token arguments (token dim 1).
+    Returns: (B, L_local, H, P) in out_dtype.
+    """
+    count = len(step.layout.ranges(step.rank))
+    f32 = torch.promote_types(log_decay.dtype, torch.float32)
+    out, final = scan(**{k: _runs(t, count) for k, t in per_token.items()}, return_final_states=True, **options)
+    runs = count * log_decay.shape[0]
+    if not (final.dim() == out.dim() == 4 and final.shape[0] == out.shape[0] == runs
+            and (final.shape[1], final.shape[2]) == (out.shape[2], out.shape[3])):
+        raise RuntimeError(f"hfcp: the scan returned a final state of shape {tuple(final.shape)} and an output of "
+                           f"{tuple(out.shape)}: not the form hfcp folds")
+    cum = _runs(log_decay, count).to(f32).cumsum(1)  # (runs*B, n, H)
+    state_shape = final.shape[2:]
+    mine = torch.cat([final.to(f32).flatten(2), cum[:, -1, :, None]], -1)  # (runs*B, H, P*N + 1)
+    table = all_gather(mine.reshape((count, -1) + mine.shape[1:]), group, 0)  # (runs*cp, B, H, P*N + 1)
+    start = table.new_zeros(table.shape[1:-1] + state_shape)  # (B, H, P, N)
+    at_start = _fold_in_order(table, step, start, lambda row, s: row[..., -1, None, None].exp() * s
+                              + row[..., :-1].reshape(s.shape)).flatten(0, 1)  # (runs*B, H, P, N)
+    response = torch.einsum("bnhs,bhps->bnhp", _runs(read, count).to(f32), at_start) * cum.exp()[..., None]
+    return _unruns(out.to(f32) + response, count).to(out_dtype)

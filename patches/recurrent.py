@@ -12,7 +12,7 @@ context-parallel versions:
   passes the layer is cut to the local length, another rank's columns under CP);
 - the convolution: over the global sequence with a halo from the chunk before (hfcp/conv_halo.py);
 - the scan: the family's kernel on each run of this rank's tokens, with the state at the run's start folded from
-  the runs before it (hfcp/state_fold.py); Mamba-2's state (head_dim x state) is the transpose of the delta rule's;
+  the runs before it (hfcp/state_fold.py; Mamba-2's decay is a scalar per head, folded as such);
 - the decode steps and the fused kernel (which has no halo): refused, or declined so that the torch path runs; the
   scan is always the family's torch kernel (flash-linear-attention's and mamba-ssm's have not run under hfcp).
 The forward's code is checked first: the globals it reads must be those names and torch, each token-mixing call
@@ -32,12 +32,13 @@ import types
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from hfcp.conv_halo import causal_depthwise_conv1d
 from hfcp.mixers import check_step_tokens, local_key_valid
 from hfcp.registry import Patcher, register_patcher
-from hfcp.state_fold import chunked_rule_over_ranks
+from hfcp.state_fold import chunked_rule_over_ranks, scalar_decay_over_ranks
 
 from .verified import TRANSFORMERS_VERSION
 
@@ -113,20 +114,25 @@ def _delta_rule(kernel, step_of, group):
 
 
 def _mamba2_scan(kernel, step_of, group):
-    """mamba2_chunk_scan over the global sequence. Its state h (B, H, head_dim, N) takes x_t B_t^T per token and is
-    read by C_t: the delta rule's form with C as the query, B as the key and x as the value, transposed."""
-    def transposed(c, b, x, dt, initial_state, output_final_state, **options):  # the fold's convention
-        out, final = kernel(x, dt, B=b, C=c, initial_states=initial_state.transpose(-1, -2), return_final_states=True,
-                            **options)
-        return out, final.transpose(-1, -2)
-
-    def scan(hidden_states, dt, A, B, C, chunk_size, initial_states=None, return_final_states=False, seq_idx=None,
-             cu_seqlens=None, **options):
+    """mamba2_chunk_scan over the global sequence. Its state h (B, H, head_dim, N) decays by one scalar per head and
+    token, exp(A dt_t) with dt_t discretised as the kernel does (dt + dt_bias, softplus, clamped to dt_limit), and is
+    read by C_t: hfcp/state_fold.py's scalar-decay fold."""
+    def scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+             dt_limit=(0.0, float("inf")), return_final_states=False, seq_idx=None, cu_seqlens=None, **options):
         _refuse_state(initial_states, return_final_states, seq_idx if seq_idx is not None else cu_seqlens)
-        _refuse_unknown_tensors(options, ("D", "dt_bias"))  # per head (a gate z would be per token: refused)
+        _refuse_unknown_tensors(options, ())  # a gate z would be per token: refused
+        step_dt = dt + dt_bias.to(dt.dtype) if dt_bias is not None else dt  # (B, L, H), as the kernel computes it
+        step_dt = torch.clamp(F.softplus(step_dt) if dt_softplus else step_dt, min=dt_limit[0], max=dt_limit[1])
+        log_decay = A.float() * step_dt.float()
+        read = C.repeat_interleave(hidden_states.shape[2] // C.shape[2], dim=2)  # (B, L, H, N): groups to heads
+
+        def run(hidden_states, dt, B, C, return_final_states):
+            return kernel(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                          dt_limit=dt_limit, return_final_states=return_final_states, **options)
+
         # (B, L, H, head_dim) in fp32, as the kernel returns it
-        return chunked_rule_over_ranks(transposed, C, B, hidden_states, {"dt": dt}, step_of(), group,
-                                       out_dtype=torch.float32, A=A, chunk_size=chunk_size, **options)
+        return scalar_decay_over_ranks(run, log_decay, read, {"hidden_states": hidden_states, "dt": dt, "B": B, "C": C},
+                                       step_of(), group, torch.float32)
 
     return scan
 

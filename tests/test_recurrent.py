@@ -27,6 +27,14 @@ def test_state_fold_is_exact_in_fp64(pool2, pool4, zigzag):
             assert r["out_err"] < 1e-12 and r["grad_err"] < 1e-12, r
 
 
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_scalar_decay_fold_is_exact_in_fp64(pool2, pool4, zigzag):
+    # Mamba-2's scan token by token over the whole sequence against runs of it on 2 and 4 ranks, folded
+    for pool in (pool2, pool4):
+        for r in pool.run(W.scalar_fold_exact, zigzag):
+            assert r["out_err"] < 1e-12 and r["grad_err"] < 1e-12, r
+
+
 # every recorded family is also in the family sweep (tests/test_families.py): cp 2, ring, allgather and ulysses, with
 # padding and mask holes, to the same bound; these cases add the test's own GQA shapes (2 key heads, 4 value heads)
 @pytest.mark.parametrize("kind, case, strategy", [("qwen3_next", "plain", "ring"), ("qwen3_5_text", "padding", "ulysses"),
@@ -62,9 +70,10 @@ def test_gated_delta_cache_is_refused(pool2):
         assert "is not supported: call hfcp.unpatch(model) to generate" in r, r  # before any layer runs
 
 
-def test_state_exchange_volume_matches_what_is_sent(pool2):
+@pytest.mark.parametrize("kind", ["qwen3_next", "mamba2"])  # the delta rule's fold, and the scalar-decay one
+def test_state_exchange_volume_matches_what_is_sent(pool2, kind):
     # hfcp.attention.volume's conv halo and state fold bytes (forward half) against what the forward all-gathered
-    for r in pool2.run(W.gathered_bytes, "qwen3_next"):
+    for r in pool2.run(W.gathered_bytes, kind):
         assert r["conv_sent"] > 0 and r["conv_sent"] == r["conv_formula"], r
         assert r["fold_sent"] > 0 and r["fold_sent"] == r["fold_formula"], r
 

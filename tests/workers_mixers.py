@@ -198,7 +198,7 @@ def gathered_bytes(kind: str) -> dict:
     """Bytes this rank contributed to the all-gathers of the conv halos and the state folds in one forward (ring,
     zigzag), by the module that called them, beside hfcp.attention.volume's forward half for the same shapes."""
     import hfcp.collectives as C
-    from hfcp.attention.volume import conv_halo_bytes, state_fold_bytes
+    from hfcp.attention.volume import conv_halo_bytes, scalar_fold_bytes, state_fold_bytes
 
     model = tiny_hybrid(kind)
     seen = {"conv_halo": 0, "state_fold": 0}
@@ -221,6 +221,13 @@ def gathered_bytes(kind: str) -> dict:
         C.all_gather_no_grad = gather
         hfcp.unpatch(model)
     cfg, cp = model.config, dist.get_world_size()
+    if kind == "mamba2":  # every layer: conv over x, B and C; the scalar-decay fold
+        layers, inner = cfg.num_hidden_layers, cfg.expand * cfg.hidden_size
+        conv = layers * conv_halo_bytes(2, inner + 2 * cfg.n_groups * cfg.state_size, cfg.conv_kernel, cp,
+                                        dtype_bytes=4) / 2
+        fold = layers * scalar_fold_bytes(2, cfg.num_heads, cfg.head_dim, cfg.state_size, cp) / 2
+        return {"conv_sent": seen["conv_halo"] * (cp - 1), "conv_formula": conv,
+                "fold_sent": seen["state_fold"] * (cp - 1), "fold_formula": fold}
     layers = cfg.layer_types.count("linear_attention")
     channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
     conv = layers * conv_halo_bytes(2, channels, cfg.linear_conv_kernel_dim, cp, dtype_bytes=4) / 2
@@ -249,3 +256,52 @@ def changed_form(kind: str = "qwen3_next") -> str:
         return "patched"
     except ValueError as e:
         return str(e)
+
+
+def loop_ssd(hidden_states, log_decay, B, C, initial_states=None, return_final_states=False):
+    """A scalar-decay scan token by token (Mamba-2's SSD, discretised): h_t = exp(l_t) h_{t-1} + x_t B_t^T,
+    y_t = h_t C_t; x (B, L, H, P), l (B, L, H), B and C (B, L, H, N)."""
+    b, length, h, p = hidden_states.shape
+    state = initial_states if initial_states is not None else hidden_states.new_zeros(b, h, p, B.shape[-1])
+    out = []
+    for t in range(length):
+        state = log_decay[:, t, :, None, None].exp() * state + hidden_states[:, t, :, :, None] * B[:, t, :, None, :]
+        out.append((state * C[:, t, :, None, :]).sum(-1))
+    out = torch.stack(out, 1)
+    return (out, state) if return_final_states else out
+
+
+def scalar_fold_exact(zigzag: bool, length: int = 37) -> dict:
+    """scalar_decay_over_ranks in fp64 against loop_ssd over the whole sequence: outputs at this rank's tokens and
+    the gradients of every input (summed over the ranks)."""
+    from hfcp.layout import Layout, build_step_batch
+    from hfcp.state_fold import scalar_decay_over_ranks
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(4)
+    shapes = {"hidden_states": (2, length, 3, 5), "log_decay": (2, length, 3), "B": (2, length, 3, 4),
+              "C": (2, length, 3, 4)}
+    x = {n: torch.randn(s, generator=g, dtype=torch.float64) for n, s in shapes.items()}
+    x["log_decay"] = -x["log_decay"].abs() * 0.3
+    x = {n: t.requires_grad_() for n, t in x.items()}
+    want = loop_ssd(**x)
+    probe = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    want_grads = torch.autograd.grad((want * probe).sum(), list(x.values()))
+    layout = Layout(length, cp, zigzag)
+    step = build_step_batch(layout, rank, 2, None, None, torch.device("cpu"))
+    index = layout.local_index(rank)
+    pad = layout.padded_len - length
+    local = {n: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)).index_select(1, index)
+             for n, t in x.items()}
+    got = scalar_decay_over_ranks(loop_ssd, local["log_decay"], local["C"], local, step, dist.group.WORLD,
+                                  torch.float64)
+    grads = torch.autograd.grad((got * torch.nn.functional.pad(probe, (0, 0, 0, 0, 0, pad)).index_select(1, index)).sum(),
+                                list(x.values()))
+    err = []
+    for mine, ref in zip(grads, want_grads):
+        total = mine.clone()
+        dist.all_reduce(total)
+        err.append(float((total - ref).abs().max() / ref.abs().max()))
+    real = index < length
+    out_err = (got[:, real] - want.index_select(1, index[real])).abs().max() / want.abs().max()
+    return {"out_err": float(out_err.detach()), "grad_err": max(err)}

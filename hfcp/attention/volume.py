@@ -61,3 +61,11 @@ def state_fold_bytes(batch: int, heads: int, key_dim: int, value_dim: int, cp: i
     gradient reduce-scattered backward. Independent of the sequence length."""
     piece = _runs(zigzag) * batch * heads * key_dim * (value_dim + key_dim)
     return 2 * (cp - 1) * piece * FP32
+
+
+def scalar_fold_bytes(batch: int, heads: int, head_dim: int, state: int, cp: int, zigzag: bool = True) -> float:
+    """Per-rank bytes sent by one Mamba-2 layer's scan (hfcp/state_fold.py, a scalar decay per head) in one training
+    step: each run's final state (heads x head_dim x state, fp32) and total log decay (one per head), all-gathered
+    forward, their gradient reduce-scattered backward. Independent of the sequence length."""
+    piece = _runs(zigzag) * batch * heads * (head_dim * state + 1)
+    return 2 * (cp - 1) * piece * FP32
