@@ -14,6 +14,10 @@ of the output are Q. Every rank sends [S_loc | M] of each of its runs in one all
 is the fold of the runs before it in sequence order (in fp32, whichever rank holds them under the zigzag layout),
 and its outputs are corrected by Q @ S_in. Autograd through the fold and the all-gather, whose backward sums each
 state's gradient back to the rank that owns the run, gives the backward; no rank waits on another in a chain.
+
+A state that decays by one scalar per head and token (Mamba-2) needs no extra columns: a run's transition is the
+exponential of its total log decay, and Q follows from the read vectors and the running decay
+(`scalar_decay_over_ranks`).
 """
 from __future__ import annotations
 
