@@ -25,7 +25,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             "patched by hfcp.patch (or outside its forward): call the patched top-level model, whose hook "
             "shards the inputs (a submodule such as model.model called directly would see the whole sequence)"
         )
-    state.attention_calls.add(id(module))
+    state.fwd.attention_calls.add(id(module))
     sink = take_sink(module, kwargs, query.shape[1])
     refuse_unimplemented(module, kwargs)
     if dropout:

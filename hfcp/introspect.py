@@ -72,11 +72,13 @@ def decoder_layers(model, num_layers: int) -> list[torch.nn.Module] | None:
     return list(lists[0]) if lists else None
 
 
-def other_mixers(model, attention_classes: tuple[str, ...], handled: tuple[str, ...] = ()) -> str | None:
+def other_mixers(model, attention_classes: tuple[str, ...], handled: tuple[str, ...] = (),
+                 token_wise: tuple[str, ...] = ()) -> str | None:
     """Why `model` cannot be made exact by rerouting attention alone, or None.
 
     Every decoder layer must hold an attention module of `attention_classes` or a mixer of `handled` (classes its
-    record makes exact), and no module outside them may be a sequence mixer of another kind.
+    record makes exact), or have only children of `token_wise` classes (its record knows they compute each token
+    alone) and norms; no module outside them may be a sequence mixer of another kind.
     """
     cfg = model.config.get_text_config()
     n = getattr(cfg, "num_hidden_layers", None)
@@ -84,21 +86,27 @@ def other_mixers(model, attention_classes: tuple[str, ...], handled: tuple[str, 
     if layers is None:
         return f"hfcp found no list of {n} decoder layers in {type(model).__name__}"
     for i, layer in enumerate(layers):
+        children = [type(c).__name__ for c in layer.children()]
+        if token_wise and all(c in token_wise or _PER_TOKEN.search(c) for c in children):
+            continue  # Nemotron-H's MLP and MoE layers
         if not any(type(m).__name__ in attention_classes + handled for m in layer.modules()):
             kinds = sorted({type(c).__name__ for c in layer.children()})
             return (f"decoder layer {i} ({type(layer).__name__}: {', '.join(kinds)}) mixes tokens without attention "
                     "through transformers' AttentionInterface, so under CP it would see only its rank's shard")
     ids = {id(layer) for layer in layers}
-    holders = {name[:i] for name, m in model.named_modules() if id(m) in ids  # the layers and the modules above them
+    known = attention_classes + handled
+    # the layers and the modules above them, and the modules above a known mixer (Zamba's mamba_decoder, a decoder
+    # layer of its own inside the hybrid layer): their token mixing is that of the modules checked here
+    holders = {name[:i] for name, m in model.named_modules() if id(m) in ids or type(m).__name__ in known
                for i in [0, len(name)] + [j for j, c in enumerate(name) if c == "."]}
     for name, m in model.named_modules():
         if "position_ids_from_input_ids" in (_source(type(m)) or ""):
             return (f"{name or 'the model'} ({type(m).__name__}) computes position ids from input_ids (RoBERTa-style, "
                     "offset by the padding index), which hfcp does not reproduce")
-        if type(m).__name__ in attention_classes + handled or name in holders:
+        if type(m).__name__ in known + token_wise or name in holders:
             continue  # the layers are checked above, whatever their names or their models' say (Mamba2ForCausalLM)
         if (_OTHER_MIXERS.search(type(m).__name__) and not _PER_TOKEN.search(type(m).__name__)
-                and not _inside_attention(model, name, attention_classes + handled)):
+                and not _inside_attention(model, name, known)):
             return (f"{name} ({type(m).__name__}) is a sequence mixer other than attention; under CP it would see "
                     "only its rank's shard")
     return None

@@ -8,6 +8,7 @@ from accelerate.hooks import ModelHook
 
 from .checks import check_same_batch, check_shapes, check_token_range
 from .collectives import all_reduce_no_grad
+from .forward_data import ForwardData
 from .layout import Layout, build_step_batch, document_ids, pad_to
 from .outer_mask import resolve_attention_mask, step_blocks
 from .linear_ce import add_token_stats
@@ -238,31 +239,29 @@ class ShardSequenceHook(ModelHook):
     def pre_forward(self, module, *args, **kwargs):
         st = self.state
         self.restore_pending_head()  # a forward that raised may have left the head swapped
-        st.loss_sum = None
+        st.fwd = ForwardData()
         kw = as_kwargs(module, args, kwargs)
         outer_masks = check_call(kw)  # how the model is called, not the data: raises on the calling rank before any collective
         if st.check_inputs:  # a collective that cannot raise first: then every rank holds the same batch ...
             check_same_batch(kw, st.mesh.cp_group)
         x, labels, targets_full = check_lm_batch(module, kw, st.head == "causal_lm")  # ... and these raise alike
-        st.router_logits_wanted, st.router_logits = router_logits_wanted(st, module, kw), None
+        st.fwd.router_logits_wanted = router_logits_wanted(st, module, kw)
         if "use_cache" in inspect.signature(module._old_forward).parameters:
             kw["use_cache"] = False
         layout = Layout(x.shape[1], st.mesh.cp_size, zigzag=st.patcher.causal)
         check_length_limit(st.patcher, module.config.get_text_config(), layout)
-        st.attention_calls = set()
         if self.shards:
             shard_inputs(st, kw, layout, outer_masks)
         else:  # a vision-language model: its language model's hook shards the merged sequence (vlm_hooks)
-            st.step, st.pending_layout = None, layout
+            st.step, st.fwd.pending_layout = None, layout
         idx = layout.local_index(st.mesh.cp_rank, x.device)
         P = layout.padded_len
-        st.targets = st.denominator = st.token_stats = None
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None
         if labels is not None:
-            st.denominator = num_items if num_items is not None else (targets_full != IGNORE_INDEX).sum()
-            st.targets = pad_to(targets_full, P, 1, IGNORE_INDEX).index_select(1, idx.to(labels.device))
+            st.fwd.denominator = num_items if num_items is not None else (targets_full != IGNORE_INDEX).sum()
+            st.fwd.targets = pad_to(targets_full, P, 1, IGNORE_INDEX).index_select(1, idx.to(labels.device))
             if st.want_token_stats:
-                st.token_stats = torch.zeros(3, dtype=torch.float64, device=x.device)
+                st.fwd.token_stats = torch.zeros(3, dtype=torch.float64, device=x.device)
             self._chunk = loss_chunk_for(st.loss_chunk, module.training and torch.is_grad_enabled())
             if self._chunk:
                 self._chunk_head(module)
@@ -270,13 +269,13 @@ class ShardSequenceHook(ModelHook):
 
     def _chunk_head(self, module):
         """For this forward, the output head computes the loss sum chunk by chunk instead of the logits."""
-        st = self.state
+        st, fwd = self.state, self.state.fwd
         head = module.get_output_embeddings()
-        targets, chunk = st.targets, self._chunk
+        chunk = self._chunk
 
         def loss_instead_of_logits(hidden, *args, **kwargs):
             self.restore_pending_head()  # one call only, and chunks call the real head
-            st.loss_sum = chunked_ce_sum(hidden, targets, head, chunk, st.token_stats, st.logit_transform)
+            fwd.loss_sum = chunked_ce_sum(hidden, fwd.targets, head, chunk, fwd.token_stats, st.logit_transform)
             return hidden.new_zeros(*hidden.shape[:-1], 0)  # (B, L/cp, 0): no logits materialised
 
         own = head.__dict__.get("forward")  # an instance forward of its own (another hook), kept; else the class's
@@ -292,26 +291,26 @@ class ShardSequenceHook(ModelHook):
     def post_forward(self, module, output):
         st = self.state
         check_attention_ran(st, module)
-        st.local_output_names = stamp_sequence_outputs(output, st.step)
+        st.fwd.local_output_names = stamp_sequence_outputs(output, st.step)
         aux = self._router_aux(module, output)
-        if st.targets is None:
+        if st.fwd.targets is None:
             return output if aux is None else type(output)(**{**output, "aux_loss": aux})
         chunked = self._chunk
         if chunked:
             self.restore_pending_head()
-            if st.loss_sum is None:
+            if st.fwd.loss_sum is None:
                 raise RuntimeError(f"{type(module).__name__} did not call its output head; use loss_chunk=None")
-            local_sum, st.loss_sum = st.loss_sum, None
+            local_sum, st.fwd.loss_sum = st.fwd.loss_sum, None
         else:
             logits = output["logits"] if not isinstance(output, tuple) else output[0]
-            local_sum = ce_sum(logits, st.targets)
-            if st.token_stats is not None:
-                add_token_stats(logits.reshape(-1, logits.shape[-1]), st.targets.reshape(-1).to(logits.device),
-                                st.token_stats)
-        if st.token_stats is not None:  # [valid targets, top-1 hits, entropy sum] of the whole sequence
-            st.token_stats = all_reduce_no_grad(st.token_stats, st.mesh.cp_group)
-        loss = global_mean(local_sum, st.denominator, st.mesh.cp_group)
-        st.targets = st.denominator = None
+            local_sum = ce_sum(logits, st.fwd.targets)
+            if st.fwd.token_stats is not None:
+                add_token_stats(logits.reshape(-1, logits.shape[-1]), st.fwd.targets.reshape(-1).to(logits.device),
+                                st.fwd.token_stats)
+        if st.fwd.token_stats is not None:  # [valid targets, top-1 hits, entropy sum] of the whole sequence
+            st.fwd.token_stats = all_reduce_no_grad(st.fwd.token_stats, st.mesh.cp_group)
+        loss = global_mean(local_sum, st.fwd.denominator, st.mesh.cp_group)
+        st.fwd.targets = st.fwd.denominator = None
         if isinstance(output, tuple):  # with loss_chunk the (B, L/cp, 0) stand-in logits become None
             return (loss, None, *output[1:]) if chunked else (loss, *output)
         fields = {k: v for k, v in output.items() if k != "loss"}
@@ -326,9 +325,9 @@ class ShardSequenceHook(ModelHook):
         """The MoE router aux loss of the whole sequence when this forward recorded router logits, else None;
         the output keeps this rank's router logits (sequence outputs stay local)."""
         st = self.state
-        if not st.router_logits_wanted:
+        if not st.fwd.router_logits_wanted:
             return None
-        logits, st.router_logits = st.router_logits, None
+        logits, st.fwd.router_logits = st.fwd.router_logits, None
         if not logits:
             raise ValueError(f"{type(module).__name__} recorded no router logits with output_router_logits=True (no MoE "
                              "layer ran?), so hfcp cannot compute the router aux loss; leave output_router_logits off")
@@ -344,7 +343,7 @@ class ShardSequenceHook(ModelHook):
 def check_attention_ran(state, module) -> None:
     """Raises RuntimeError when a patched attention module ran this forward without calling hfcp's attention
     function (for example after model.set_attn_implementation(...) on a patched model): its output is wrong."""
-    missed = [m for m in state.modules if id(m) not in state.attention_calls]
+    missed = [m for m in state.modules if id(m) not in state.fwd.attention_calls]
     if missed:
         raise RuntimeError(
             f"{len(missed)} of {len(state.modules)} attention modules of {type(module).__name__} ({type(missed[0]).__name__}) "

@@ -20,6 +20,7 @@ from .lm_hooks import ShardSequenceHook
 from .vision_split import VisionTowerSplitHook, splits_frames, splits_tower
 from .vlm_hooks import LanguageModelHook, find_language_model, module_with_config
 from .linear_ce import IDENTITY, LogitTransform
+from .forward_data import ForwardData
 from .layout import StepBatch
 from .mesh import Mesh, as_timedelta, build_mesh
 from .registry import REGISTRY, Patcher, UnsupportedModelError
@@ -30,7 +31,8 @@ log = logging.getLogger("hfcp")
 
 @dataclass(eq=False)
 class CPState:
-    """Everything hfcp holds for one patched model; per-step data lives in `step` (no globals)."""
+    """Everything hfcp holds for one patched model: the step's layout in `step`, the forward's data in `fwd` (both
+    replaced each forward; no globals)."""
 
     mesh: Mesh
     strategy: str
@@ -46,20 +48,12 @@ class CPState:
     rope_restores: list = field(default_factory=list)  # dynamic RoPE modules wrapped by patch (hfcp/rope.py)
     mixer_restores: list = field(default_factory=list)  # what hfcp.mixers.bind changed (modules, hooks)
     step: StepBatch | None = None
-    pending_layout: object = None  # a VLM's layout between its outer model's hook and its language model's hook
+    fwd: ForwardData = field(default_factory=ForwardData)
     attn_owner: object = None  # the model whose attn_implementation patch set (a VLM: its language model only)
     outer_forward: object = None  # a VLM: restores the outer model's wrapped forward (vlm_hooks.clear_layout_after)
-    targets: torch.Tensor | None = None
-    denominator: object = None
-    loss_sum: torch.Tensor | None = None
-    local_output_names: frozenset = frozenset()  # output fields of the latest forward that hold local sequences
-    attention_calls: set = field(default_factory=set)  # id() of the attention modules that ran this forward
     attention_group: object = None  # what the strategy communicates over: the CP group, or usp's sub-groups
     router_aux: object = None  # RouterAux, None (no aux loss in the forward) or why hfcp cannot compute it
-    router_logits_wanted: bool = False  # this forward records router logits: the aux loss is computed
-    router_logits: tuple | None = None  # this forward's local router logits, taken by RouterStatsHook
     want_token_stats: bool = False  # set by integrations whose metrics need them (HfcpSFTTrainer)
-    token_stats: torch.Tensor | None = None  # last forward with labels: (3,) fp64 [targets, top-1 hits, entropy sum]
 
     def __deepcopy__(self, memo):
         raise RuntimeError(
@@ -135,7 +129,7 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
     reason = None if classes or patcher.mixers else ("none of its modules computes attention through transformers' "
                                                      "AttentionInterface (its sequence mixing happens elsewhere)")
     reason = reason or not_through_interface(target, classes) or other_mixers(
-        target, classes, tuple(name for name, _ in patcher.mixers))
+        target, classes, tuple(name for name, _ in patcher.mixers), patcher.token_wise_classes)
     if reason is not None:
         how = "" if patcher.read_from_model else (" (checked for the record registered for it; a record that "
                                                   "knows better can pass skip_model_checks=True)")
@@ -160,7 +154,8 @@ def with_text_record(patcher: Patcher, language_model) -> Patcher:
     return dataclasses.replace(patcher, max_seq_len=text.max_seq_len, max_seq_len_reason=text.max_seq_len_reason,
                                positions_from_mask=text.positions_from_mask, causal=text.causal,
                                token_side_inputs=patcher.token_side_inputs + text.token_side_inputs,
-                               mixers=patcher.mixers + text.mixers)
+                               mixers=patcher.mixers + text.mixers,
+                               token_wise_classes=patcher.token_wise_classes + text.token_wise_classes)
 
 
 def _warn_if_verified_elsewhere(patcher: Patcher) -> None:

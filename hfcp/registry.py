@@ -56,6 +56,10 @@ class Patcher:
             and returns the forward hfcp binds to it while patched; `step_of()` gives the step of the current call,
             also when gradient checkpointing recomputes it (hfcp/mixers.py). The model checks accept these classes
             beside the attention classes.
+        token_wise_classes: class names of modules that the record knows compute each token alone (Nemotron-H's
+            MLP and MoE blocks, RecurrentGemma's MLP): a decoder layer whose children are all of these or norms
+            passes the model checks without a mixer (every other layer must hold an attention module or one of
+            `mixers`), and the check of module names for other mixers passes them (RecurrentGemmaMlp).
     """
 
     model_type: str
@@ -77,6 +81,7 @@ class Patcher:
     vision_tower: str = ""
     token_side_inputs: tuple[tuple[str, str], ...] = ()
     mixers: tuple[tuple[str, Callable], ...] = ()
+    token_wise_classes: tuple[str, ...] = ()
 
 
 _HOW_TO_REGISTER = (

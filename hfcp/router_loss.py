@@ -90,7 +90,7 @@ class RouterStatsHook(ModelHook):
     def post_forward(self, module, output):
         st = self.state
         logits = getattr(output, "router_logits", None)
-        if st.router_logits_wanted and logits is not None:
-            st.router_logits = tuple(logits)
+        if st.fwd.router_logits_wanted and logits is not None:
+            st.fwd.router_logits = tuple(logits)
             output.router_logits = None
         return output

@@ -17,7 +17,9 @@ state's gradient back to the rank that owns the run, gives the backward; no rank
 
 A state that decays by one scalar per head and token (Mamba-2) needs no extra columns: a run's transition is the
 exponential of its total log decay, and Q follows from the read vectors and the running decay
-(`scalar_decay_over_ranks`).
+(`scalar_decay_over_ranks`). So does a state that decays elementwise, by exp(decay[d, n] * rate_t[d]) (Mamba 1's
+selective scan, `channel_decay_over_ranks`): the run's transition is exp(decay * total rate); and a vector state
+that is its own output, gated per channel (RG-LRU, `gated_sum_over_ranks`): the product of the run's gates.
 """
 from __future__ import annotations
 
@@ -29,14 +31,14 @@ from .collectives import all_gather
 from .layout import StepBatch
 
 
-def _runs(x: torch.Tensor, count: int) -> torch.Tensor:
-    """(B, count * n, ...) -> (count * B, n, ...): this rank's runs stacked along the batch."""
-    return torch.cat(x.chunk(count, dim=1), 0)
+def _runs(x: torch.Tensor, count: int, dim: int = 1) -> torch.Tensor:
+    """(B, count * n, ...) -> (count * B, n, ...), the token dim at `dim`: this rank's runs stacked along the batch."""
+    return torch.cat(x.chunk(count, dim=dim), 0)
 
 
-def _unruns(x: torch.Tensor, count: int) -> torch.Tensor:
-    """(count * B, n, ...) -> (B, count * n, ...)."""
-    return torch.cat(x.chunk(count, dim=0), 1)
+def _unruns(x: torch.Tensor, count: int, dim: int = 1) -> torch.Tensor:
+    """(count * B, n, ...) -> (B, count * n, ...), the token dim at `dim`."""
+    return torch.cat(x.chunk(count, dim=0), dim)
 
 
 def _fold_in_order(table: torch.Tensor, step: StepBatch, state: torch.Tensor, advance: Callable) -> torch.Tensor:
@@ -142,3 +144,67 @@ def scalar_decay_over_ranks(scan: Callable, log_decay: torch.Tensor, read: torch
                               + row[..., :-1].reshape(s.shape)).flatten(0, 1)  # (runs*B, H, P, N)
     response = torch.einsum("bnhs,bhps->bnhp", _runs(read, count).to(f32), at_start) * cum.exp()[..., None]
     return _unruns(out.to(f32) + response, count).to(out_dtype)
+
+
+def channel_decay_over_ranks(scan: Callable, rate: torch.Tensor, decay: torch.Tensor, read: torch.Tensor,
+                             per_token: dict, step: StepBatch, group) -> torch.Tensor:
+    """What `scan(**per_token, **options)` gives over the global sequence, at this rank's tokens, for a scan whose state
+    h (B, D, N) decays elementwise (Mamba 1's selective scan): h_t = exp(decay * rate_t[:, None]) h_{t-1} + u_t and
+    y_t[d] = sum_n h_t[d, n] read_t[n] + (terms without the state). A run's transition is exp(decay * its total
+    rate), and the response of its outputs to the initial state sum_n read_t[n] exp(decay * cumsum rate)_t h_in, so
+    the kernel runs once per run as on one device; only the final states and the runs' total rates travel.
+
+    The tensors are in the kernel's layout, channels before tokens (the token dim last):
+        scan: called as scan(**per_token cut into runs) -> (out (B, D, n), final state (B, D, N)).
+        rate: (B, D, L_local) the discretised step of each channel (Mamba's softplus(dt + bias)).
+        decay: (D, N), the log decay per unit rate (Mamba's A).
+        read: (B, N, L_local) the vector each token's output reads the state with (Mamba's C).
+        per_token: the kernel's per-token arguments (token dim last).
+    Returns: (B, D, L_local) in the dtype the kernel returns.
+    """
+    count = len(step.layout.ranges(step.rank))
+    f32 = torch.promote_types(rate.dtype, torch.float32)
+    out, final = scan(**{k: _runs(t, count, -1) for k, t in per_token.items()})
+    runs, channels = count * rate.shape[0], rate.shape[1]
+    if tuple(final.shape) != (runs, channels, decay.shape[-1]) or tuple(out.shape[:2]) != (runs, channels):
+        raise RuntimeError(f"hfcp: the scan returned a final state of shape {tuple(final.shape)} and an output of "
+                           f"{tuple(out.shape)}, not ({runs}, {channels}, {decay.shape[-1]}) and ({runs}, {channels}, "
+                           "tokens): not the form hfcp folds")
+    cum = _runs(rate, count, -1).to(f32).cumsum(-1)  # (runs*B, D, n)
+    decay = decay.to(f32)
+    mine = torch.cat([final.to(f32), cum[..., -1:]], -1)  # (runs*B, D, N + 1)
+    table = all_gather(mine.reshape((count, -1) + mine.shape[1:]), group, 0)  # (runs*cp, B, D, N + 1)
+    start = table.new_zeros(table.shape[1:-1] + decay.shape[-1:])  # (B, D, N)
+    at_start = _fold_in_order(table, step, start, lambda row, s: (decay * row[..., -1:]).exp() * s
+                              + row[..., :-1]).flatten(0, 1)  # (runs*B, D, N)
+    decayed = (decay[None, :, :, None] * cum[:, :, None, :]).exp()  # (runs*B, D, N, n)
+    response = torch.einsum("bnt,bdnt,bdn->bdt", _runs(read, count, -1).to(f32), decayed, at_start)
+    return _unruns(out + response.to(out.dtype), count, -1)
+
+
+def gated_sum_over_ranks(scan: Callable, gate: torch.Tensor, per_token: dict, step: StepBatch, group) -> torch.Tensor:
+    """What `scan(**per_token)` gives over the global sequence, at this rank's tokens, for a scan whose state h (B, W)
+    is its output, h_t = gate_t * h_{t-1} + u_t (RG-LRU's linear recurrence, a gate per channel in [0, 1], zero at a
+    document start). A run's transition is the product of its gates, and the response of its outputs to the initial
+    state the running product times h_in (products, not log sums: a gate of zero is a reset).
+
+    Args:
+        scan: called as scan(**per_token cut into runs) -> (out (B, n, W), final state (B, W)).
+        gate: (B, L_local, W) gate_t, as the scan applies it (resets included).
+        per_token: the scan's per-token arguments (token dim 1).
+    Returns: (B, L_local, W) in the dtype the scan returns.
+    """
+    count = len(step.layout.ranges(step.rank))
+    f32 = torch.promote_types(gate.dtype, torch.float32)
+    out, final = scan(**{k: _runs(t, count) for k, t in per_token.items()})
+    runs, width = count * gate.shape[0], gate.shape[-1]
+    if tuple(final.shape) != (runs, width) or tuple(out.shape[::2]) != (runs, width):
+        raise RuntimeError(f"hfcp: the scan returned a final state of shape {tuple(final.shape)} and an output of "
+                           f"{tuple(out.shape)}, not ({runs}, {width}) and ({runs}, tokens, {width}): not the form hfcp "
+                           "folds")
+    running = _runs(gate, count).to(f32).cumprod(1)  # (runs*B, n, W)
+    mine = torch.cat([final.to(f32), running[:, -1]], -1)  # (runs*B, 2W)
+    table = all_gather(mine.reshape(count, -1, 2 * width), group, 0)  # (runs*cp, B, 2W)
+    start = table.new_zeros(table.shape[1:-1] + (width,))  # (B, W)
+    at_start = _fold_in_order(table, step, start, lambda row, s: row[..., width:] * s + row[..., :width]).flatten(0, 1)
+    return _unruns(out + (running * at_start[:, None]).to(out.dtype), count)

@@ -48,7 +48,8 @@ def tiny_config(model_type: str):
         kinds = _layer_kinds(default)
         if kinds and default.get_text_config() is default:
             try:  # passed in, so that the config derives what depends on them
-                cfg = cls(**{**settable, **extra, "num_hidden_layers": len(kinds), "layer_types": kinds})
+                field = getattr(cls, "attribute_map", {}).get("layer_types", "layer_types")  # Zamba2's own name
+                cfg = cls(**{**settable, **extra, "num_hidden_layers": len(kinds), field: kinds})
             except (ValueError, TypeError, AttributeError, KeyError):  # a config that derives its layers otherwise
                 cfg = None  # (RecurrentGemma): as it is
         cfg = cfg or cls(**{**settable, **extra})  # (a config property without a setter keeps its own value)

@@ -18,6 +18,7 @@ from accelerate.hooks import ModelHook, add_hook_to_module
 from .checks import check_same_batch
 from .lm_hooks import as_kwargs, check_attention_ran
 from .collectives import all_gather
+from .forward_data import ForwardData
 from .layout import Layout, build_step_batch, pad_to
 
 
@@ -76,13 +77,13 @@ class CheckPixelsHook(ModelHook):
         if self.state.check_inputs:
             names = ("pixel_values", "labels")
             check_same_batch(kwargs, self.state.mesh.cp_group, names)
-        self.state.attention_calls = set()
+        self.state.fwd = ForwardData()
         return (), kwargs
 
     def post_forward(self, module, output):
         st = self.state
         check_attention_ran(st, module)
-        st.local_output_names = stamp_local_sequences(output, st)
+        st.fwd.local_output_names = stamp_local_sequences(output, st)
         if st.head != "base":
             return output
         with_module = st.patcher.first_token_pooler and getattr(module, "pooler", None) is not None

@@ -59,7 +59,7 @@ class LanguageModelHook(ModelHook):
 
     def pre_forward(self, module, *args, **kwargs):
         st = self.state
-        layout, st.pending_layout = st.pending_layout, None
+        layout, st.fwd.pending_layout = st.fwd.pending_layout, None
         if layout is None:
             raise RuntimeError(f"{type(module).__name__} is the language model of a hfcp-patched vision-language model: "
                                "call the patched outer model, whose hook checks the batch and computes the loss")
@@ -139,7 +139,7 @@ def clear_layout_after(outer, state):
         try:
             return original(*args, **kwargs)
         finally:
-            state.pending_layout = None
+            state.fwd.pending_layout = None
 
     outer._old_forward = forward
 

@@ -38,7 +38,7 @@ from transformers.activations import ACT2FN
 from hfcp.conv_halo import causal_depthwise_conv1d
 from hfcp.mixers import check_step_tokens, local_key_valid
 from hfcp.registry import Patcher, register_patcher
-from hfcp.state_fold import chunked_rule_over_ranks, scalar_decay_over_ranks
+from hfcp.state_fold import channel_decay_over_ranks, chunked_rule_over_ranks, scalar_decay_over_ranks
 
 from .verified import TRANSFORMERS_VERSION
 
@@ -56,9 +56,11 @@ class Scan:
 DELTA = Scan("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", masks=1)
 KDA = Scan("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", masks=1)
 MAMBA2 = Scan("mamba2_chunk_scan", "mamba2_selective_state_update", masks=2, fused="mamba2_split_conv1d_scan_combined")
-SCANS = (DELTA, KDA, MAMBA2)
+MAMBA1 = Scan("mamba_selective_scan", "mamba_selective_state_update", masks=2, fused="mamba_inner_fn")
+SCANS = (DELTA, KDA, MAMBA2, MAMBA1)
 RULES = tuple((s.chunked, s.decode) for s in SCANS)  # (chunked kernel, decode step) names
-_OTHER_GLOBALS = ("apply_mask_to_padding_states", "causal_conv1d_fn", "causal_conv1d_update", "torch", "F")
+_OTHER_GLOBALS = ("apply_mask_to_padding_states", "causal_conv1d_fn", "causal_conv1d_update", "torch", "F",
+                  "hasattr", "range")  # builtins Falcon-Mamba, Jamba (a quantized config) and Zamba (a loop over heads) use
 
 
 def _raw_forward(module):
@@ -137,6 +139,29 @@ def _mamba2_scan(kernel, step_of, group):
     return scan
 
 
+def _mamba1_scan(kernel, step_of, group):
+    """mamba_selective_scan over the global sequence. Its state h (B, D, N) decays elementwise, by exp(A dt_t) with
+    dt_t discretised as the kernel does (dt + delta_bias, softplus), and is read by C_t: hfcp/state_fold.py's
+    channel-decay fold. The gate z multiplies the output after the state's contribution, so the kernel runs without
+    it and hfcp applies it to the corrected output."""
+    def scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False,
+             **options):
+        _refuse_state(None, return_last_state, None)
+        _refuse_unknown_tensors(options, ())
+        rate = dt + delta_bias.to(dt.dtype)[..., None] if delta_bias is not None else dt  # (B, D, L)
+        rate = F.softplus(rate) if delta_softplus else rate
+
+        def run(hidden_states, dt, B, C):
+            return kernel(hidden_states, dt, A, B, C, D=D, z=None, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                          return_last_state=True, **options)
+
+        out = channel_decay_over_ranks(run, rate, A, C, {"hidden_states": hidden_states, "dt": dt, "B": B, "C": C},
+                                       step_of(), group)
+        return out * F.silu(z) if z is not None else out
+
+    return scan
+
+
 def recurrent_forward(state, module, step_of):
     """The forward hfcp binds to a recurrent module (checked once, here, at patch time): the family's own code with
     its token-mixing calls over the global sequence. step_of() is the step of the current call."""
@@ -151,6 +176,7 @@ def recurrent_forward(state, module, step_of):
         return pad_states(hidden_states, local_key_valid(step_of()))
 
     def convolution(x, weight, bias=None, activation=None, **kwargs):  # (B, C, L_local) -> the same
+        _refuse_unknown_tensors(kwargs, ())  # seq_idx (packed documents) is refused with the step's packed rows
         out = causal_depthwise_conv1d(x.to(weight.dtype), weight, bias, step_of(), group)
         return (ACT2FN[activation](out) if activation is not None else out).to(x.dtype)
 
@@ -160,7 +186,7 @@ def recurrent_forward(state, module, step_of):
     def no_fused_kernel(*args, **kwargs):  # the family then takes its torch path, whose calls hfcp replaces
         return None
 
-    chunked = (_mamba2_scan if scan is MAMBA2 else _delta_rule)(kernel, step_of, group)
+    chunked = {MAMBA2: _mamba2_scan, MAMBA1: _mamba1_scan}.get(scan, _delta_rule)(kernel, step_of, group)
     bound = dict(raw.__globals__, apply_mask_to_padding_states=padding, causal_conv1d_fn=convolution,
                  causal_conv1d_update=decode_step, **{scan.chunked: chunked, scan.decode: decode_step})
     if scan.fused:
@@ -183,7 +209,11 @@ RECORDS = (("qwen3_next", "Qwen3NextGatedDeltaNet"), ("qwen3_5_text", "Qwen3_5Ga
            ("lara_mini", "LaraMiniGatedDeltaNet"),
            ("kimi_linear", "KimiLinearDeltaAttention"), ("bailing_hybrid", "BailingHybridDeltaAttention"),
            ("mamba2", "Mamba2Mixer"), ("bamba", "BambaMixer"), ("falcon_h1", "FalconH1Mixer"),
-           ("granitemoehybrid", "GraniteMoeHybridMambaLayer"))
+           ("granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+           ("mamba", "MambaMixer"), ("falcon_mamba", "FalconMambaMixer"), ("jamba", "JambaMambaMixer"),
+           ("zamba", "ZambaMambaMixer"), ("zamba2", "Zamba2MambaMixer"), ("nemotron_h", "NemotronHMamba2Mixer"))
+TOKEN_WISE = {"nemotron_h": ("NemotronHMLP", "NemotronHMoE")}  # its layers without a mixer hold one of these
 for _type, _cls in RECORDS:
     register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True,
-                             verified_with=TRANSFORMERS_VERSION, mixers=((_cls, recurrent_forward),)), replace=True)
+                             verified_with=TRANSFORMERS_VERSION, mixers=((_cls, recurrent_forward),),
+                             token_wise_classes=TOKEN_WISE.get(_type, ())), replace=True)

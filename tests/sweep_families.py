@@ -279,8 +279,12 @@ def _verified():
 
 
 def user_record_types(results) -> list[str]:
-    """The types the sweep refused: a user could register a record for any of them."""
-    return [r["type"] for r in results if r["result"] == "refused"]
+    """The types the sweep refused, and those exact only through their record's own mixers (the hybrids of issue 19):
+    a user could register a record for any of them, replacing hfcp's."""
+    from hfcp.registry import REGISTRY
+
+    return [r["type"] for r in results if r["result"] == "refused"
+            or (r["result"] == "exact" and REGISTRY.get(r["type"]) is not None and REGISTRY.get(r["type"]).mixers)]
 
 
 SKIP = False  # True: as before every record was checked (shows the hole the checks close)

@@ -18,7 +18,9 @@ _LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head
                shared_expert_intermediate_size=32)
 GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini")
 KDA = ("kimi_linear", "bailing_hybrid")  # Kimi delta attention: MLA attention layers, the family sweep's tiny model
-MAMBA2 = ("mamba2", "bamba", "falcon_h1", "granitemoehybrid")  # Mamba-2 (mamba2 alone, the others with attention)
+MAMBA2 = ("mamba2", "bamba", "falcon_h1", "granitemoehybrid", "zamba2", "nemotron_h")  # Mamba-2 (mamba2 alone)
+MAMBA1 = ("mamba", "falcon_mamba", "jamba", "zamba")  # Mamba 1 (mamba and falcon_mamba alone); no chunked kernel
+OTHER = ("minimax", "recurrent_gemma")  # lightning attention (blocks of 8 tokens), RG-LRU; no chunked kernel
 
 
 def _perturbed(model):
@@ -47,7 +49,21 @@ def tiny_hybrid(kind: str):
 
     if kind in GATED_DELTA:
         return tiny_gated_delta(kind, "sliding_attention" if kind == "lara_mini" else "full_attention")
-    if kind in KDA + MAMBA2:
+    if kind == "minimax":  # blocks of 8 tokens, so that the runs cut them
+        from hfcp.tiny import tiny_config
+
+        cfg = tiny_config(kind)
+        cfg.block_size, cfg.output_router_logits = 8, False
+        return _perturbed(T.AutoModelForCausalLM.from_config(cfg))
+    if kind == "recurrent_gemma":  # the sweep's tiny config has no attention layer: recurrent, attention, recurrent
+        cfg = T.RecurrentGemmaConfig(**{k: _TEXT[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                             "num_attention_heads", "num_key_value_heads",
+                                                             "pad_token_id")},
+                                     num_hidden_layers=3, head_dim=8, lru_width=32, attention_window_size=16,
+                                     conv1d_width=4, block_types=("recurrent", "attention", "recurrent"),
+                                     attn_implementation="sdpa")
+        return _perturbed(T.RecurrentGemmaForCausalLM(cfg))
+    if kind in KDA + MAMBA2 + MAMBA1:
         from hfcp.tiny import tiny_model
 
         model = tiny_model(kind)
@@ -110,7 +126,9 @@ def compare(kind: str, case: str, strategy: str = "ring", checkpointing: str = "
         dist.all_reduce(g)
         g /= dist.get_world_size()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    conv = {n: g for n, g in grads.items() if any(k in n for k in (".conv.conv.", "conv1d", "A_log", "dt_bias"))}
+    # the parameters whose gradient comes back through the halos and states: convolutions, decays, lightning q k v
+    carried = (".conv.conv.", "conv1d", "conv_1d", "A_log", "dt_bias", "recurrent_param", "qkv_proj")
+    conv = {n: g for n, g in grads.items() if any(k in n for k in carried)}
     return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
             "conv_grad_err": grad_error(conv, {n: ref_grads[n] for n in conv}), "conv_params": len(conv),
             "same_keys": grads.keys() == ref_grads.keys(), "noise": kernel_noise(kind, data, ref_grads),
@@ -198,7 +216,7 @@ def gathered_bytes(kind: str) -> dict:
     """Bytes this rank contributed to the all-gathers of the conv halos and the state folds in one forward (ring,
     zigzag), by the module that called them, beside hfcp.attention.volume's forward half for the same shapes."""
     import hfcp.collectives as C
-    from hfcp.attention.volume import conv_halo_bytes, scalar_fold_bytes, state_fold_bytes
+    from hfcp.attention.volume import channel_fold_bytes, conv_halo_bytes, scalar_fold_bytes, state_fold_bytes
 
     model = tiny_hybrid(kind)
     seen = {"conv_halo": 0, "state_fold": 0}
@@ -226,6 +244,12 @@ def gathered_bytes(kind: str) -> dict:
         conv = layers * conv_halo_bytes(2, inner + 2 * cfg.n_groups * cfg.state_size, cfg.conv_kernel, cp,
                                         dtype_bytes=4) / 2
         fold = layers * scalar_fold_bytes(2, cfg.num_heads, cfg.head_dim, cfg.state_size, cp) / 2
+        return {"conv_sent": seen["conv_halo"] * (cp - 1), "conv_formula": conv,
+                "fold_sent": seen["state_fold"] * (cp - 1), "fold_formula": fold}
+    if kind == "mamba":  # every layer: conv over x alone; the fold per channel
+        layers, inner = cfg.num_hidden_layers, cfg.intermediate_size
+        conv = layers * conv_halo_bytes(2, inner, cfg.conv_kernel, cp, dtype_bytes=4) / 2
+        fold = layers * channel_fold_bytes(2, inner, cfg.state_size, cp) / 2
         return {"conv_sent": seen["conv_halo"] * (cp - 1), "conv_formula": conv,
                 "fold_sent": seen["state_fold"] * (cp - 1), "fold_formula": fold}
     layers = cfg.layer_types.count("linear_attention")
@@ -271,37 +295,107 @@ def loop_ssd(hidden_states, log_decay, B, C, initial_states=None, return_final_s
     return (out, state) if return_final_states else out
 
 
-def scalar_fold_exact(zigzag: bool, length: int = 37) -> dict:
-    """scalar_decay_over_ranks in fp64 against loop_ssd over the whole sequence: outputs at this rank's tokens and
-    the gradients of every input (summed over the ranks)."""
+def _against_whole(loop, x: dict, fold, token_dim: int, zigzag: bool, seed: int) -> dict:
+    """fold(local inputs, step) (a fold over the ranks of this rank's tokens) in fp64 against loop(**x) over the whole
+    sequence: outputs at this rank's tokens and the gradients of every input (summed over the ranks), relative to
+    their largest value."""
     from hfcp.layout import Layout, build_step_batch
-    from hfcp.state_fold import scalar_decay_over_ranks
 
     rank, cp = dist.get_rank(), dist.get_world_size()
+    length = next(iter(x.values())).shape[token_dim]
+    want = loop(**x)
+    probe = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    want_grads = torch.autograd.grad((want * probe).sum(), list(x.values()))
+    layout = Layout(length, cp, zigzag)
+    step = build_step_batch(layout, rank, 2, None, None, torch.device("cpu"))
+    index = layout.local_index(rank)
+    pad = layout.padded_len - length
+
+    def local(t, dim):  # hfcp's end padding (zeros: no decay, no update), then this rank's tokens
+        dim = dim % t.dim()
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, pad)).index_select(dim, index)
+
+    got = fold({n: local(t, token_dim) if t.dim() > 2 else t for n, t in x.items()}, step)
+    grads = torch.autograd.grad((got * local(probe, token_dim)).sum(), list(x.values()))
+    err = []
+    for mine, ref in zip(grads, want_grads):
+        total = mine.clone()
+        dist.all_reduce(total)
+        err.append(float((total - ref).abs().max() / ref.abs().max()))
+    real = torch.nonzero(index < length).flatten()
+    out_err = (got.index_select(token_dim, real) - want.index_select(token_dim, index[real])).abs().max()
+    return {"out_err": float(out_err.detach() / want.abs().max().detach()), "grad_err": max(err)}
+
+
+def scalar_fold_exact(zigzag: bool, length: int = 37) -> dict:
+    """scalar_decay_over_ranks in fp64 against loop_ssd over the whole sequence (zigzag, or contiguous runs)."""
+    from hfcp.state_fold import scalar_decay_over_ranks
+
     g = torch.Generator().manual_seed(4)
     shapes = {"hidden_states": (2, length, 3, 5), "log_decay": (2, length, 3), "B": (2, length, 3, 4),
               "C": (2, length, 3, 4)}
     x = {n: torch.randn(s, generator=g, dtype=torch.float64) for n, s in shapes.items()}
     x["log_decay"] = -x["log_decay"].abs() * 0.3
     x = {n: t.requires_grad_() for n, t in x.items()}
-    want = loop_ssd(**x)
-    probe = torch.randn(want.shape, generator=g, dtype=torch.float64)
-    want_grads = torch.autograd.grad((want * probe).sum(), list(x.values()))
-    layout = Layout(length, cp, zigzag)
-    step = build_step_batch(layout, rank, 2, None, None, torch.device("cpu"))
-    index = layout.local_index(rank)
-    pad = layout.padded_len - length
-    local = {n: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)).index_select(1, index)
-             for n, t in x.items()}
-    got = scalar_decay_over_ranks(loop_ssd, local["log_decay"], local["C"], local, step, dist.group.WORLD,
-                                  torch.float64)
-    grads = torch.autograd.grad((got * torch.nn.functional.pad(probe, (0, 0, 0, 0, 0, pad)).index_select(1, index)).sum(),
-                                list(x.values()))
-    err = []
-    for mine, ref in zip(grads, want_grads):
-        total = mine.clone()
-        dist.all_reduce(total)
-        err.append(float((total - ref).abs().max() / ref.abs().max()))
-    real = index < length
-    out_err = (got[:, real] - want.index_select(1, index[real])).abs().max() / want.abs().max()
-    return {"out_err": float(out_err.detach()), "grad_err": max(err)}
+    return _against_whole(loop_ssd, x, lambda local, step: scalar_decay_over_ranks(
+        loop_ssd, local["log_decay"], local["C"], local, step, dist.group.WORLD, torch.float64), 1, zigzag, 5)
+
+
+def loop_selective(hidden_states, dt, A, B, C, return_last_state=True):
+    """Mamba 1's selective scan token by token, in its kernel's layout: h_t = exp(A dt_t) h_{t-1} + dt_t x_t B_t,
+    y_t = h_t C_t; x and dt (B, D, L), A (D, N), B and C (B, N, L)."""
+    state = hidden_states.new_zeros(hidden_states.shape[:2] + A.shape[-1:])
+    out = []
+    for t in range(hidden_states.shape[-1]):
+        state = (A * dt[:, :, t, None]).exp() * state + (dt[:, :, t] * hidden_states[:, :, t])[..., None] * B[:, None, :, t]
+        out.append((state * C[:, None, :, t]).sum(-1))
+    out = torch.stack(out, -1)
+    return (out, state) if return_last_state else out
+
+
+def channel_fold_exact(zigzag: bool, length: int = 37) -> dict:
+    """channel_decay_over_ranks in fp64 against loop_selective over the whole sequence."""
+    from hfcp.state_fold import channel_decay_over_ranks
+
+    g = torch.Generator().manual_seed(6)
+    shapes = {"hidden_states": (2, 5, length), "dt": (2, 5, length), "A": (5, 4), "B": (2, 4, length),
+              "C": (2, 4, length)}
+    x = {n: torch.randn(s, generator=g, dtype=torch.float64) for n, s in shapes.items()}
+    x["dt"], x["A"] = x["dt"].abs() * 0.3, -x["A"].abs()
+    x = {n: t.requires_grad_() for n, t in x.items()}
+
+    def fold(local, step):
+        def run(**per_token):
+            return loop_selective(A=local["A"], **per_token)
+        per_token = {n: t for n, t in local.items() if n != "A"}
+        return channel_decay_over_ranks(run, local["dt"], local["A"], local["C"], per_token, step, dist.group.WORLD)
+
+    return _against_whole(lambda **kw: loop_selective(**kw, return_last_state=False), x, fold, -1, zigzag, 7)
+
+
+def loop_gated(hidden_states, gate):
+    """RG-LRU's recurrence token by token: h_t = gate_t h_{t-1} + x_t, its output; x and gate (B, L, W)."""
+    state, out = torch.zeros_like(hidden_states[:, 0]), []
+    for t in range(hidden_states.shape[1]):
+        state = gate[:, t] * state + hidden_states[:, t]
+        out.append(state)
+    return torch.stack(out, 1)
+
+
+def gated_fold_exact(zigzag: bool, length: int = 37) -> dict:
+    """gated_sum_over_ranks in fp64 against loop_gated over the whole sequence, with a reset (a gate of 0) inside."""
+    from hfcp.state_fold import gated_sum_over_ranks
+
+    g = torch.Generator().manual_seed(8)
+    x = {"hidden_states": torch.randn(2, length, 6, generator=g, dtype=torch.float64),
+         "gate": torch.rand(2, length, 6, generator=g, dtype=torch.float64)}
+    x["gate"][:, length // 3] = 0  # a document start
+    x = {n: t.requires_grad_() for n, t in x.items()}
+
+    def fold(local, step):
+        def run(hidden_states, gate):
+            out = loop_gated(hidden_states, gate)
+            return out, out[:, -1]
+        return gated_sum_over_ranks(run, local["gate"], local, step, dist.group.WORLD)
+
+    return _against_whole(loop_gated, x, fold, 1, zigzag, 9)

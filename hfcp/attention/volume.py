@@ -69,3 +69,11 @@ def scalar_fold_bytes(batch: int, heads: int, head_dim: int, state: int, cp: int
     forward, their gradient reduce-scattered backward. Independent of the sequence length."""
     piece = _runs(zigzag) * batch * heads * (head_dim * state + 1)
     return 2 * (cp - 1) * piece * FP32
+
+
+def channel_fold_bytes(batch: int, channels: int, state: int, cp: int, zigzag: bool = True) -> float:
+    """Per-rank bytes sent by one Mamba 1 layer's scan (hfcp/state_fold.py, a decay per channel and state index) in
+    one training step: each run's final state (channels x state, fp32) and total step per channel, all-gathered
+    forward, their gradient reduce-scattered backward. Independent of the sequence length."""
+    piece = _runs(zigzag) * batch * channels * (state + 1)
+    return 2 * (cp - 1) * piece * FP32

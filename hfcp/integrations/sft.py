@@ -66,7 +66,7 @@ class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
     def _log_token_metrics(self, mode: str, inputs) -> None:
         """SFTTrainer's entropy, mean_token_accuracy and num_tokens, from hfcp's per-chunk sums."""
         cp = self.get_cp_size()
-        stats = cp_state(self.model).token_stats  # (3,) summed over this CP group
+        stats = cp_state(self.model).fwd.token_stats  # (3,) summed over this CP group
         if stats is None:
             raise RuntimeError("hfcp computed no token statistics: was the batch given labels?")
         tokens, hits, entropy = (self.accelerator.reduce(stats.to(self.args.device), "sum") / cp).tolist()

@@ -316,7 +316,7 @@ def gather_outputs(outputs, model):
             outputs[key] = tuple(gather_sequence(t.reshape(-1, local_len, t.shape[-1]), model).flatten(0, 1)
                                  for t in outputs[key])
         else:
-            outputs[key] = whole(outputs[key], key in state.local_output_names)
+            outputs[key] = whole(outputs[key], key in state.fwd.local_output_names)
     return outputs
 
 
