@@ -52,7 +52,7 @@ def test_gated_delta_hybrids_equal_the_unpatched_model(pool2, kind, case, strate
         assert r["restored"], r
 
 
-def test_gated_delta_at_cp4(pool4):
+def test_gated_delta_at_cp4(pool4):  # (KDA's fold is the same function: at cp 4 in fp64 above)
     for r in pool4.run(W.compare, "qwen3_next", "padding"):  # chunks of 5 tokens: states and a halo of 3 cross ranks
         _exact(r)
 
@@ -126,8 +126,9 @@ def test_lightning_attention_and_rg_lru_equal_the_unpatched_model(pool2, kind, s
         assert r["restored"], r
 
 
-def test_lightning_attention_at_cp4_under_gradient_checkpointing(pool4):
-    for r in pool4.run(W.compare, "minimax", "padding", "ring", "checkpointing"):
+@pytest.mark.parametrize("kind", ["minimax", "recurrent_gemma"])
+def test_lightning_attention_and_rg_lru_at_cp4_under_gradient_checkpointing(pool4, kind):
+    for r in pool4.run(W.compare, kind, "padding", "ring", "checkpointing"):
         _exact(r, chunked=False)
 
 
