@@ -7,7 +7,7 @@ import torch
 from accelerate.hooks import ModelHook
 
 from .checks import check_same_batch, check_shapes, check_token_range
-from .collectives import all_reduce_no_grad
+from .collectives import all_reduce_no_grad, all_reduce_sum
 from .forward_data import ForwardData
 from .layout import Layout, build_step_batch, document_ids, pad_to
 from .outer_mask import resolve_attention_mask, step_blocks
@@ -55,10 +55,27 @@ def check_call(kw: dict) -> dict | None:
                          "through hfcp's chunked loss")
     outer_masks = resolve_attention_mask(kw)
     keep = kw.get("logits_to_keep", 0)
-    if isinstance(keep, torch.Tensor) or keep not in (0, None):
-        raise ValueError(f"logits_to_keep={keep!r} is not supported by hfcp (only 0: all logits); take the positions "
-                         "you need from hfcp.gather_sequence(out.logits, model)")
+    if isinstance(keep, torch.Tensor) or isinstance(keep, bool) or not isinstance(keep, (int, type(None))) or \
+            (keep or 0) < 0:
+        raise ValueError(f"logits_to_keep={keep!r} is not supported by hfcp (an int: 0 for all logits, k for the last "
+                         "k positions); take other positions from hfcp.gather_sequence(out.logits, model)")
+    if keep and kw.get("labels") is not None:
+        raise ValueError(f"logits_to_keep={keep} with labels: the loss needs every position's logits; pass one of them")
     return outer_masks
+
+
+def keep_last_positions(hidden: torch.Tensor, keep: int, step, group) -> torch.Tensor:
+    """The hidden states of the last `keep` positions of the global sequence, (B, keep, D) on every rank, from this
+    rank's (B, L_local, D): each rank places the rows it holds, the others are zero, summed over the group (its
+    backward sums the gradients, as hfcp.gather_sequence's)."""
+    layout = step.layout
+    keep = min(keep, layout.seq_len)
+    first = layout.seq_len - keep
+    index = layout.local_index(step.rank, hidden.device)
+    mine = ((index >= first) & (index < layout.seq_len)).nonzero().flatten()
+    rows = hidden.new_zeros(hidden.shape[0], keep, hidden.shape[-1])
+    rows = rows.index_copy(1, index[mine] - first, hidden.index_select(1, mine))
+    return all_reduce_sum(rows, group)
 
 
 def _vocab(module, which: str) -> int:
@@ -235,6 +252,7 @@ class ShardSequenceHook(ModelHook):
         self.shards = shards  # False: the outer model of a VLM (loss here, sharding at its language model's input)
         self._restore_head = None
         self._chunk = None  # tokens per loss chunk in this forward, or None: loss from the logits
+        self._keep = 0  # logits_to_keep of this forward: the head computes the global sequence's last positions
 
     def pre_forward(self, module, *args, **kwargs):
         st = self.state
@@ -257,6 +275,11 @@ class ShardSequenceHook(ModelHook):
         idx = layout.local_index(st.mesh.cp_rank, x.device)
         P = layout.padded_len
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None
+        self._keep = kw.pop("logits_to_keep", 0) or 0
+        if self._keep:  # the model computes every local position's hidden state; the head keeps the global last ones
+            if "logits_to_keep" in inspect.signature(module._old_forward).parameters:
+                kw["logits_to_keep"] = 0
+            self._keep_head(module)
         if labels is not None:
             st.fwd.denominator = num_items if num_items is not None else (targets_full != IGNORE_INDEX).sum()
             st.fwd.targets = pad_to(targets_full, P, 1, IGNORE_INDEX).index_select(1, idx.to(labels.device))
@@ -278,8 +301,23 @@ class ShardSequenceHook(ModelHook):
             fwd.loss_sum = chunked_ce_sum(hidden, fwd.targets, head, chunk, fwd.token_stats, st.logit_transform)
             return hidden.new_zeros(*hidden.shape[:-1], 0)  # (B, L/cp, 0): no logits materialised
 
+        self._swap_head(head, loss_instead_of_logits)
+
+    def _keep_head(self, module):
+        """For this forward, the output head computes the logits of the global sequence's last positions only
+        (logits_to_keep), the same on every rank."""
+        st, keep = self.state, self._keep
+        head = module.get_output_embeddings()
+
+        def last_positions(hidden, *args, **kwargs):
+            self.restore_pending_head()
+            return head(keep_last_positions(hidden, keep, st.step, st.mesh.cp_group), *args, **kwargs)
+
+        self._swap_head(head, last_positions)
+
+    def _swap_head(self, head, forward):
         own = head.__dict__.get("forward")  # an instance forward of its own (another hook), kept; else the class's
-        head.forward = loss_instead_of_logits
+        head.forward = forward
         self._restore_head = (lambda: setattr(head, "forward", own)) if own is not None else \
             (lambda: head.__dict__.pop("forward", None))
 
@@ -291,7 +329,11 @@ class ShardSequenceHook(ModelHook):
     def post_forward(self, module, output):
         st = self.state
         check_attention_ran(st, module)
-        st.fwd.local_output_names = stamp_sequence_outputs(output, st.step)
+        if self._keep:
+            self.restore_pending_head()
+            if (output["logits"] if not isinstance(output, tuple) else output[0]) is None:
+                raise RuntimeError(f"{type(module).__name__} did not call its output head with logits_to_keep")
+        st.fwd.local_output_names = stamp_sequence_outputs(output, st.step, skip=("logits",) if self._keep else ())
         aux = self._router_aux(module, output)
         if st.fwd.targets is None:
             return output if aux is None else type(output)(**{**output, "aux_loss": aux})
@@ -358,14 +400,15 @@ NOT_SEQUENCE_OUTPUTS = frozenset({"router_logits", "image_hidden_states", "video
                                   "video_outputs"})
 
 
-def stamp_sequence_outputs(output, step) -> frozenset:
+def stamp_sequence_outputs(output, step, skip: tuple = ()) -> frozenset:
     """Tag the local sequence tensors of an output with their step, so that gather_sequence can refuse a tensor
     of an earlier forward (its layout may differ even when its local length does not). Returns the names of the
-    output fields that hold them (router logits are (tokens, experts) rows: local, but not (batch, seq, ...))."""
+    output fields that hold them (router logits are (tokens, experts) rows: local, but not (batch, seq, ...));
+    `skip`: fields that are not local (the logits of logits_to_keep, the same on every rank)."""
     items = enumerate(output) if isinstance(output, tuple) else output.items()
     names = set()
     for name, v in items:
-        if name in NOT_SEQUENCE_OUTPUTS:
+        if name in NOT_SEQUENCE_OUTPUTS or name in skip or (skip and name == 0):
             continue
         for t in (v if isinstance(v, tuple) else (v,)):
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == step.layout.local_len:

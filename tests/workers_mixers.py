@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import hfcp
 from hfcp.verify import grad_error
+from workers_model import averaged_grads
 
 _TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -121,10 +122,7 @@ def compare(kind: str, case: str, strategy: str = "ring", checkpointing: str = "
         return {"refused": str(e)}
     finally:
         hfcp.unpatch(model)
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    for g in grads.values():
-        dist.all_reduce(g)
-        g /= dist.get_world_size()
+    grads = averaged_grads(model)
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     # the parameters whose gradient comes back through the halos and states: convolutions, decays, lightning q k v
     carried = (".conv.conv.", "conv1d", "conv_1d", "A_log", "dt_bias", "recurrent_param", "qkv_proj")

@@ -148,3 +148,15 @@ def run_case(case: dict):
     errs["n_grads"] = len(grads)
     hfcp.unpatch(model)
     return errs
+
+
+def averaged_grads(model) -> dict:
+    """{name: grad} of `model`'s parameters, averaged over the ranks (hfcp's gradient convention: the mean over the
+    CP group is the one-device gradient)."""
+    import torch.distributed as dist
+
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for g in grads.values():
+        dist.all_reduce(g)
+        g /= dist.get_world_size()
+    return grads
