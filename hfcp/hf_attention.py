@@ -6,6 +6,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import STRATEGIES, MaskSpec
+from .attention.decode import decode_attention
+from .kv_cache import DecodeStep
 from .outer_mask import OuterMask, hfcp_mask, layer_mask
 
 KEY = "hfcp"
@@ -30,6 +32,8 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     refuse_unimplemented(module, kwargs)
     if dropout:
         raise ValueError(f"attention dropout={dropout} cannot be made exact under CP; set config.attention_dropout=0")
+    if isinstance(step, DecodeStep):
+        return decode_call(module, query, key, value, step, state, scaling, sliding_window, is_causal, softcap, sink)
     local = step.layout.local_len
     if query.shape[2] != local or key.shape[2] != local:
         raise ValueError(
@@ -53,6 +57,28 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     with torch.autocast(query.device.type, enabled=False):  # the strategies choose their own precisions
         out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.attention_group, sink)
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
+
+
+def decode_call(module, query, key, value, step: DecodeStep, state, scaling, sliding_window, is_causal, softcap,
+                sink):
+    """A decode step's attention over the KV cache spread over the CP group: ((B, n, H, D), None)."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    chunk = attention_chunk(module)
+    if not causal or chunk or state.step.outer_masks is not None or state.step.blocks is not None:
+        raise ValueError(f"{type(module).__name__}: hfcp's generation implements causal attention with sliding windows, "
+                         "softcap and sinks; this layer's mask (bidirectional, attention chunks or a mask built outside "
+                         "the model) is not supported in decode steps yet")
+    cache = step.cache
+    if key.shape[2] != len(cache.columns):
+        raise RuntimeError(f"hfcp: {type(module).__name__} got {key.shape[2]} cached keys, the cache holds "
+                           f"{len(cache.columns)} here")
+    spec = MaskSpec(True, sliding_window, float(softcap) if softcap else None)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    query, key, value = same_dtype(query, key, value, type(module).__name__)
+    with torch.autocast(query.device.type, enabled=False):
+        out = decode_attention(query, key, value, step.columns, cache.columns.to(key.device),
+                               cache.valid.to(key.device), spec, scale, state.mesh.cp_group, sink)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def check_token_model_mask(module, mask) -> None:
@@ -105,7 +131,7 @@ def same_head_dim(query, key, value):
 
 
 # Keyword arguments that carry nothing hfcp's attention needs: positions (the step holds the global ones), the
-# cache flag (the hook refuses a cache), the loss's token count and the router-logits recording flag (MoE families
+# cache flag (the step says whether this is a decode step), the loss's token count and the router-logits recording flag (MoE families
 # pass both down to every layer). Any other one is implemented or refused.
 IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "num_items_in_batch",
                             "output_router_logits"})

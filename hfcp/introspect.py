@@ -87,7 +87,7 @@ def other_mixers(model, attention_classes: tuple[str, ...], handled: tuple[str, 
         return f"hfcp found no list of {n} decoder layers in {type(model).__name__}"
     for i, layer in enumerate(layers):
         children = [type(c).__name__ for c in layer.children()]
-        if token_wise and all(c in token_wise or _PER_TOKEN.search(c) for c in children):
+        if any(c in token_wise for c in children) and all(c in token_wise or _PER_TOKEN.search(c) for c in children):
             continue  # Nemotron-H's MLP and MoE layers
         if not any(type(m).__name__ in attention_classes + handled for m in layer.modules()):
             kinds = sorted({type(c).__name__ for c in layer.children()})

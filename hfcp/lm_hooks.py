@@ -9,6 +9,7 @@ from accelerate.hooks import ModelHook
 from .checks import check_same_batch, check_shapes, check_token_range
 from .collectives import all_reduce_no_grad, all_reduce_sum
 from .forward_data import ForwardData
+from .generation import generation_cache, prepare_decode
 from .layout import Layout, build_step_batch, document_ids, pad_to
 from .outer_mask import resolve_attention_mask, step_blocks
 from .linear_ce import add_token_stats
@@ -44,11 +45,6 @@ def check_call(kw: dict) -> dict | None:
     """Refuse call styles hfcp cannot run (decided by the call, not the data, so before any collective); a mask
     built outside the patched forward becomes the key padding it stands for, or is refused. Returns the forms of
     such masks (outer_mask.resolve_attention_mask)."""
-    if kw.get("cache") is not None or kw.get("past_key_values") is not None or kw.get("use_cache"):
-        raise ValueError(
-            "a hfcp-patched model runs training/eval forwards over the whole sequence; a KV cache "
-            "(use_cache=True, cache=..., generate()) is not supported: call hfcp.unpatch(model) to generate"
-        )
     if kw.get("fused_lm_head"):  # TRL's fused head: its forward calls the backbone around this hook
         raise ValueError("fused_lm_head=True runs the model's backbone around hfcp (each rank would attend within its "
                          "own shard only); train with hfcp.integrations.HfcpSFTTrainer, whose loss and metrics go "
@@ -259,17 +255,26 @@ class ShardSequenceHook(ModelHook):
         self.restore_pending_head()  # a forward that raised may have left the head swapped
         st.fwd = ForwardData()
         kw = as_kwargs(module, args, kwargs)
-        outer_masks = check_call(kw)  # how the model is called, not the data: raises on the calling rank before any collective
+        # how the model is called, not the data: these raise on the calling rank before any collective
+        cache = st.fwd.cache = generation_cache(st, module, kw, self.shards)
+        outer_masks = check_call(kw)
+        self._keep, self._chunk = 0, None
+        if cache is not None and cache.seen:  # a decode step: its new tokens stay whole
+            prepare_decode(st, module, kw, cache, step_token)
+            st.fwd.decoding = True
+            return (), kw
         if st.check_inputs:  # a collective that cannot raise first: then every rank holds the same batch ...
             check_same_batch(kw, st.mesh.cp_group)
         x, labels, targets_full = check_lm_batch(module, kw, st.head == "causal_lm")  # ... and these raise alike
         st.fwd.router_logits_wanted = router_logits_wanted(st, module, kw)
         if "use_cache" in inspect.signature(module._old_forward).parameters:
-            kw["use_cache"] = False
+            kw["use_cache"] = cache is not None
         layout = Layout(x.shape[1], st.mesh.cp_size, zigzag=st.patcher.causal)
         check_length_limit(st.patcher, module.config.get_text_config(), layout)
         if self.shards:
             shard_inputs(st, kw, layout, outer_masks)
+            if cache is not None:  # the prompt's prefill: each rank keeps its tokens' keys and values
+                cache.begin_prefill(st.step)
         else:  # a vision-language model: its language model's hook shards the merged sequence (vlm_hooks)
             st.step, st.fwd.pending_layout = None, layout
         idx = layout.local_index(st.mesh.cp_rank, x.device)
@@ -277,8 +282,12 @@ class ShardSequenceHook(ModelHook):
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None
         self._keep = kw.pop("logits_to_keep", 0) or 0
         if self._keep:  # the model computes every local position's hidden state; the head keeps the global last ones
-            if "logits_to_keep" in inspect.signature(module._old_forward).parameters:
-                kw["logits_to_keep"] = 0
+            if (st.head != "causal_lm" or module.get_output_embeddings() is None
+                    or "logits_to_keep" not in inspect.signature(module._old_forward).parameters):
+                raise ValueError(f"logits_to_keep={self._keep} on a {type(module).__name__}, whose forward has no "
+                                 "logits_to_keep of its own: hfcp keeps the last positions of a causal LM's logits "
+                                 "only; leave it out")
+            kw["logits_to_keep"] = 0
             self._keep_head(module)
         if labels is not None:
             st.fwd.denominator = num_items if num_items is not None else (targets_full != IGNORE_INDEX).sum()
@@ -329,10 +338,18 @@ class ShardSequenceHook(ModelHook):
     def post_forward(self, module, output):
         st = self.state
         check_attention_ran(st, module)
+        if st.fwd.cache is not None:
+            st.fwd.cache.end_forward()
+            if st.fwd.decoding:  # its outputs are whole, the same on every rank
+                return output
         if self._keep:
-            self.restore_pending_head()
-            if (output["logits"] if not isinstance(output, tuple) else output[0]) is None:
-                raise RuntimeError(f"{type(module).__name__} did not call its output head with logits_to_keep")
+            if self._restore_head is not None:  # the stand-in clears it when called: the head never ran
+                self.restore_pending_head()
+                raise RuntimeError(f"{type(module).__name__} did not call its output head module with logits_to_keep, "
+                                   "so hfcp cannot keep the global sequence's last positions; pass logits_to_keep=0 "
+                                   "and take them from hfcp.gather_sequence(out.logits, model)")
+            logits = output["logits"] if not isinstance(output, tuple) else output[0]
+            logits.hfcp_whole = True  # the same on every rank: hfcp.gather_sequence returns it as it is
         st.fwd.local_output_names = stamp_sequence_outputs(output, st.step, skip=("logits",) if self._keep else ())
         aux = self._router_aux(module, output)
         if st.fwd.targets is None:

@@ -350,7 +350,7 @@ def gather_sequence(tensor: torch.Tensor, model, dim: int = 1) -> torch.Tensor:
     loss convention, so mean-over-group grads stay exact). Unpatched models: returns `tensor` unchanged.
     """
     state = cp_state(model)
-    if state is None:
+    if state is None or getattr(tensor, "hfcp_whole", False):  # (logits_to_keep's logits: the same on every rank)
         return tensor
     if state.step is None:
         raise RuntimeError("gather_sequence needs the output of a forward of the patched model")

@@ -26,7 +26,10 @@ from hfcp.state_fold import scalar_decay_over_ranks
 
 from .verified import TRANSFORMERS_VERSION
 
-FINGERPRINTS = {"MiniMaxLightningAttention.forward": "03c3f915c0c99c09"}  # hfcp.mixers.source_fingerprint
+# hfcp.mixers.source_fingerprint of the code hfcp reproduces: the forward, and the decays its blocks and the fold use
+FINGERPRINTS = {"MiniMaxLightningAttention.forward": "03c3f915c0c99c09",
+                "MiniMaxLightningAttention.decay_factors": "ad8879a83947a830",
+                "MiniMaxLightningAttention.get_slope_rate": "c7263d11caad997b"}
 
 
 def lightning_blocks(module, q, k, v):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from hfcp.conv_halo import causal_depthwise_conv1d
 from hfcp.mixers import check_source, check_step_tokens
 from hfcp.registry import Patcher, register_patcher
@@ -47,15 +49,27 @@ class _View:
         self._replaced[name] = value
 
 
+def _plain_conv(module) -> torch.nn.Conv1d:
+    """The block's convolution, refused unless it is a plain causal depthwise nn.Conv1d (hfcp uses its weight, not
+    its forward: a hook or a wrapper would be bypassed)."""
+    conv = module.conv_1d
+    if (type(conv) is not torch.nn.Conv1d or conv._forward_hooks or conv._forward_pre_hooks
+            or conv.padding[0] != conv.kernel_size[0] - 1 or conv.groups != conv.in_channels):
+        raise ValueError(f"hfcp: {type(module).__name__}'s conv_1d is {type(conv).__name__}, not the plain causal "
+                         "depthwise convolution hfcp computes over the global sequence (an adapter or a hook on it is "
+                         "not supported)")
+    return conv
+
+
 def block_forward(state, module, step_of):
     """The recurrent block's own forward, with its convolution over the global sequence."""
     check_source(module, FINGERPRINTS, TRANSFORMERS_VERSION)
     raw = inspect.unwrap(type(module).forward)
-    conv, group = module.conv_1d, state.mesh.cp_group
-    if conv.padding[0] != conv.kernel_size[0] - 1 or conv.groups != conv.in_channels:
-        raise ValueError(f"hfcp: {type(module).__name__}'s convolution is not causal and depthwise")
+    group = state.mesh.cp_group
+    _plain_conv(module)
 
     def convolution(x):  # (B, W, L_local) -> the same (the family slices [..., :seq_len], a no-op here)
+        conv = _plain_conv(module)  # as it is now (a hook or an adapter added after patching is refused)
         return causal_depthwise_conv1d(x.to(conv.weight.dtype), conv.weight.squeeze(1), conv.bias, step_of(), group)
 
     def forward(self, input_states, position_ids, attention_mask, use_cache=True, **kwargs):
@@ -81,9 +95,10 @@ def rg_lru_forward(state, module, step_of):
             return module._rnn_scan(hidden_states=hidden_states, recurrent_gate=recurrent_gate, reset=reset,
                                     recurrent_states=None)
 
-        out = gated_sum_over_ranks(run, recurrent_gate * ~reset, {"hidden_states": hidden_states,
+        # the runs in fp32 (the family's accumulation dtype), the corrected output rounded once, as the family does
+        out = gated_sum_over_ranks(run, recurrent_gate * ~reset, {"hidden_states": hidden_states.float(),
                                    "recurrent_gate": recurrent_gate, "reset": reset}, step_of(), group)
-        return out, None
+        return out.to(hidden_states.dtype), None
 
     def forward(self, activations, position_ids):
         return raw(_View(self, _rnn_scan=scan), activations, position_ids)

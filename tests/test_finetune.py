@@ -43,6 +43,9 @@ def test_cp2_losses_equal_single_process(runs):
     for a, b in zip(single, cp2):
         assert abs(a - b) <= 1e-5 * abs(a), (single, cp2)
     assert cp2[-1] < cp2[0], "loss did not fall"
+    # the key accuracy is generated after each held-out document (hfcp's generation under cp 2): the same tokens
+    summaries = [json.loads((runs / r / "summary.json").read_text()) for r in ("single", "cp2")]
+    assert [s["key_accuracy_after"] for s in summaries][0] == summaries[1]["key_accuracy_after"], summaries
 
 
 def test_metrics_fields(runs):

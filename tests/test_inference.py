@@ -5,13 +5,13 @@ import pytest
 import workers_inference as W
 
 
-@pytest.mark.parametrize("kind, keep", [("llama", 1), ("mistral", 3), ("gemma2", 1), ("llama", 100)])
+@pytest.mark.parametrize("kind, keep", [("llama", 1), ("mistral", 3), ("gemma2", 1), ("llama", 20), ("llama", 100)])
 def test_logits_to_keep_gives_the_last_positions_on_every_rank(pool2, kind, keep):
     # under zigzag the last positions are rank 0's; every rank gets them, and the gradients of their sum are exact
-    # (mistral: a sliding window; gemma2: softcapping after the head; 100 > the 37 tokens: every position)
+    # (mistral: a sliding window; gemma2: softcapping after the head; 20: the local length; 100 > the 37 tokens: all)
     for r in pool2.run(W.last_logits, kind, keep):
         assert r["shape"] == r["want_shape"] and r["err"] < 1e-5 and r["grad_err"] < 1e-4, r
-        assert not r["stamped"], r  # not a local sequence: hfcp.gather_sequence and the Trainer leave it as it is
+        assert not r["stamped"] and r["whole"], r  # not a local sequence: gather_sequence and the Trainer leave it
 
 
 def test_logits_to_keep_at_cp4(pool4):
@@ -20,7 +20,58 @@ def test_logits_to_keep_at_cp4(pool4):
 
 
 @pytest.mark.parametrize("call, message", [("with_labels", "logits_to_keep=1 with labels"),
-                                           ("negative", "logits_to_keep=-1 is not supported")])
+                                           ("negative", "logits_to_keep=-1 is not supported"),
+                                           ("base_model", "whose forward has no logits_to_keep of its own"),
+                                           ("head_by_hand", "did not call its output head module")])
 def test_logits_to_keep_hfcp_cannot_honour_is_refused(pool2, call, message):
     for msg in pool2.run(W.refusal, call):
+        assert message in msg, msg
+
+
+# model.generate on a patched model (issue 20): the prompt prefilled over the CP group, each rank keeping its tokens'
+# keys and values (hfcp/kv_cache.py), each decode step merged over the ranks (hfcp/attention/decode.py); two prompts,
+# one left-padded; against the unpatched model's generate in the same process: the same tokens on every rank, and
+# every step's logits within fp32 tolerance
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
+def test_greedy_generation_equals_the_unpatched_model(pool2, kind):
+    # mistral: a window of 7 over 300 columns; gemma2: attention and final softcaps, sliding layers; gpt_oss: sinks
+    for r in pool2.run(W.generated, kind):
+        assert r["same_tokens"] and r["new_tokens"] == 8 and r["logit_err"] < 1e-5, r
+        assert r["cache"] == "ShardedKVCache", r
+
+
+def test_generation_of_a_long_prompt_at_cp4_keeps_a_quarter_of_the_cache(pool4):
+    for r in pool4.run(W.generated, "llama", 2000):
+        assert r["same_tokens"] and r["logit_err"] < 1e-5, r
+        assert r["kv_bytes"] <= r["ref_kv_bytes"] / 4 * 1.01, r  # each rank: its prompt tokens, and every 4th new one
+
+
+def test_sampling_with_a_seed_shared_over_the_group_and_eos_stopping(pool2):
+    for r in pool2.run(W.generated, "qwen2", 300, 8, 5, True):
+        assert r["same_tokens"] and r["logit_err"] < 1e-5, r
+    for r in pool2.run(W.generated, "llama", 300, 8, 5, False, True):
+        assert r["same_tokens"] and r["logit_err"] < 1e-5, r
+
+
+def test_a_cached_forward_then_decode_steps_by_hand(pool2):
+    # use_cache=True returns hfcp's cache (the prompt's logits a local sequence, whole through gather_sequence); two
+    # decode forwards with it give the unpatched model's logits
+    for r in pool2.run(W.manual_steps):
+        assert max(r["errs"]) < 1e-5 and r["columns"] == 47, r
+
+
+@pytest.mark.parametrize("case, message", [
+    ("beam_search", "beam search rewrites the KV cache"),
+    ("prompt_lookup", "assisted decoding (crop) rewrites the KV cache"),
+    ("static_cache", "a StaticCache holding 0 tokens on a patched model"),
+    ("differing_prompts", "ranks of one CP group got different batches (input_ids)")])
+def test_generation_hfcp_cannot_do_is_refused_on_every_rank(pool2, case, message):
+    for msg in pool2.run(W.generate_refusal, case):
+        assert message in msg, msg
+
+
+@pytest.mark.parametrize("kind, message", [("qwen2_vl", "not yet vision-language models"),
+                                           ("qwen3_next", "recurrent layers do not carry their states")])
+def test_generation_of_models_hfcp_does_not_generate_with_is_refused(pool2, kind, message):
+    for msg in pool2.run(W.refused_generation, kind):
         assert message in msg, msg

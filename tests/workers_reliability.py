@@ -42,7 +42,7 @@ def bad_call(kind: str):
         batch["use_cache"] = True
     elif kind == "generate":
         try:
-            model.generate(batch["input_ids"][:, :4], max_new_tokens=2)
+            model.generate(batch["input_ids"][:, :4], max_new_tokens=2, num_beams=2, pad_token_id=0)
         except ValueError as e:
             return str(e)
         return None

@@ -1,0 +1,82 @@
+"""Generation on a patched causal LM (issue 20): which forwards are a prompt's prefill or a decode step, and their
+inputs. The cache and its decode attention: hfcp/kv_cache.py, hfcp/attention/decode.py.
+
+A forward with a cache (transformers' `generate()` passes an empty DynamicCache first, then the cache the model
+returned) or `use_cache=True` runs with a ShardedKVCache: the first forward is the prompt's prefill, sharded over
+the CP group like a training forward; each later one a decode step, whose few new tokens every rank runs alike.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .checks import check_same_batch
+from .kv_cache import ShardedKVCache
+
+CACHE_NAMES = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache (both accepted)
+
+
+def generation_cache(state, module, kw: dict, shards: bool) -> ShardedKVCache | None:
+    """The ShardedKVCache of this forward (put in kw under the model's name for it), or None for a forward without a
+    cache. Raises ValueError, on every rank alike and before any collective, for a cache hfcp cannot spread."""
+    names = [n for n in CACHE_NAMES if kw.get(n) is not None]
+    given = kw.get(names[0]) if names else None
+    if given is None and not kw.get("use_cache"):
+        return None
+    if state.head != "causal_lm" or not shards:
+        raise ValueError(f"a KV cache (use_cache=True, a cache, generate()) on a patched {type(module).__name__}: hfcp "
+                         "generates with causal LMs only (not yet vision-language models); call hfcp.unpatch(model)")
+    if state.patcher.mixers:
+        raise ValueError(f"a KV cache (use_cache=True, a cache, generate()) on a patched {type(module).__name__}: its "
+                         "recurrent layers do not carry their states into decode steps under hfcp yet; call "
+                         "hfcp.unpatch(model) to generate")
+    if kw.get("labels") is not None:
+        raise ValueError("a KV cache with labels: a training or evaluation forward runs without a cache (use_cache=False)")
+    if isinstance(given, ShardedKVCache):
+        return given
+    if given is not None and not (type(given) is DynamicCache and given.get_seq_length() == 0
+                                  and not getattr(given, "offloading", False)):
+        raise ValueError(f"a {type(given).__name__} holding {given.get_seq_length()} tokens on a patched model: hfcp "
+                         "generates with its own cache spread over the CP group (hfcp.kv_cache.ShardedKVCache), which "
+                         "it makes from the prompt; pass no cache, or an empty DynamicCache (not static, offloaded or "
+                         "quantized)")
+    parameters = inspect.signature(module._old_forward).parameters
+    if "logits_to_keep" not in parameters:
+        raise ValueError(f"{type(module).__name__}.forward takes no logits_to_keep: generate() would read the last "
+                         "position's logits from this rank's shard of the prompt; hfcp does not generate with it")
+    name = next((n for n in CACHE_NAMES if n in parameters), CACHE_NAMES[0])
+    for n in names:
+        kw.pop(n)
+    cache = ShardedKVCache(state.mesh.cp_rank, state.mesh.cp_size)
+    kw[name] = cache
+    return cache
+
+
+def prepare_decode(state, module, kw: dict, cache: ShardedKVCache, step_token) -> None:
+    """kw of a decode step: its new tokens stay whole (every rank runs them), the mask becomes the decode step's token.
+
+    Raises ValueError when the ranks decode different tokens (sampling without a seed shared over the CP group) or
+    the mask does not cover the cached and new columns."""
+    ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
+    x = ids if ids is not None else embeds
+    if x is None or x.dim() < 2:
+        raise ValueError("a decode step needs input_ids (batch, new tokens) or inputs_embeds")
+    if state.check_inputs:
+        check_same_batch(kw, state.mesh.cp_group, names=("input_ids", "inputs_embeds", "attention_mask",
+                                                         "position_ids"))
+    batch, new = x.shape[:2]
+    mask = kw.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or mask.shape[1] != cache.seen + new):
+        raise ValueError(f"a decode step's attention_mask has shape {tuple(mask.shape)}; hfcp needs (batch, "
+                         f"{cache.seen + new}): the cached and the new columns")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise ValueError(f"a decode step's attention_mask of type {type(mask).__name__}: hfcp needs a (batch, columns) "
+                         "padding mask")
+    valid = (mask[:, -new:].to(torch.bool) if mask is not None
+             else torch.ones(batch, new, dtype=torch.bool, device=x.device))
+    step = cache.begin_decode(valid)
+    kw["attention_mask"] = step_token(step, x.device)
+    if "use_cache" in inspect.signature(module._old_forward).parameters:
+        kw["use_cache"] = True

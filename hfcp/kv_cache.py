@@ -1,0 +1,139 @@
+"""A KV cache spread over the CP group, for generation on a patched causal LM (issue 20).
+
+The prompt is prefilled over the group like a training forward: each rank computes the keys and values of its own
+tokens (its two zigzag chunks), and keeps them, with their global columns and which are padding. The full cache
+never exists on one rank. Each decode step runs the new tokens on every rank (they are few: every rank computes
+them alike), and their attention merges every rank's partial result over its own keys
+(hfcp/attention/decode.py). The new tokens' keys and values are kept by one rank, in turn, so the ranks' caches
+stay within one step of each other.
+
+transformers' generation loop passes the cache back in each step; the cache knows which phase a forward is in
+from the patched model's hook (`begin_prefill`, `begin_decode`, `end_forward`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+
+@dataclass(eq=False)
+class DecodeStep:
+    """What a decode step's attention calls need: the cache and the new tokens' global columns."""
+
+    cache: "ShardedKVCache"
+    columns: torch.Tensor  # (n,) long
+
+
+class ShardedKVCache(Cache):
+    """Each rank's part of the KV cache of the whole sequence: the keys and values of the tokens it holds.
+
+    `get_seq_length()` is the global number of columns (prompt and generated tokens, the same on every rank).
+    Beam search, assisted decoding and other operations that rewrite the cache are refused (ValueError, on every
+    rank alike: they run between forwards, outside any collective).
+    """
+
+    is_compileable = False
+
+    def __init__(self, rank: int, cp_size: int):
+        super().__init__(layers=[])
+        self.rank, self.cp_size = rank, cp_size
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.columns: torch.Tensor | None = None  # (L_r,) global column of each cached key of this rank
+        self.valid: torch.Tensor | None = None  # (B, L_r) bool, False for padding
+        self.seen = 0  # global columns before the current forward
+        self.decodes = 0  # decode forwards so far (the next one's tokens go to rank decodes % cp_size)
+        self._new = 0  # columns the current forward adds
+        self._keeps_new = False  # whether this rank keeps the current forward's keys and values
+        self._phase: str | None = None
+
+    def __repr__(self):
+        return (f"ShardedKVCache(rank {self.rank} of {self.cp_size}, {self.seen} columns, "
+                f"{0 if self.columns is None else len(self.columns)} here)")
+
+    def __len__(self):
+        return len(self.keys)
+
+    def begin_prefill(self, step) -> None:
+        """The prompt forward: keep this rank's tokens of the step (hfcp's end padding among them, as padding)."""
+        if self.seen:
+            raise ValueError(f"hfcp: a prompt forward with a cache that already holds {self.seen} columns: hfcp's cache "
+                             "takes one prompt, then decode steps")
+        layout = step.layout
+        self.columns = step.local_index.clone()
+        valid = step.key_valid
+        self.valid = (valid.index_select(1, self.columns.to(valid.device)) if valid is not None
+                      else torch.ones(1, len(self.columns), dtype=torch.bool))
+        self._new, self._keeps_new, self._phase = layout.seq_len, True, "prefill"
+
+    def begin_decode(self, new_valid: torch.Tensor) -> DecodeStep:
+        """A decode forward of n new tokens (new_valid: (B, n) bool): its step, and which rank keeps them."""
+        n = new_valid.shape[1]
+        columns = torch.arange(self.seen, self.seen + n, device=self.columns.device)
+        self._new, self._phase = n, "decode"
+        self._keeps_new = self.decodes % self.cp_size == self.rank
+        if self._keeps_new:
+            self.columns = torch.cat([self.columns, columns])
+            self.valid = torch.cat([self.valid.expand(new_valid.shape[0], -1).to(new_valid.device), new_valid], 1)
+        return DecodeStep(self, columns)
+
+    def end_forward(self) -> None:
+        """After the forward: its columns count."""
+        if self._phase == "decode":
+            self.decodes += 1
+        self.seen += self._new
+        self._new, self._phase = 0, None
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Keep this rank's keys and values of the current forward; returns every key and value this rank holds."""
+        if self._phase is None:
+            raise RuntimeError("hfcp: a ShardedKVCache used outside a forward of the patched model")
+        if self._keeps_new:
+            if layer_idx in self.keys and self._phase == "decode":
+                self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key_states], -2)
+                self.values[layer_idx] = torch.cat([self.values[layer_idx], value_states], -2)
+            else:
+                self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        raise RuntimeError("hfcp: a mask built over a ShardedKVCache: hfcp's attention builds its masks itself")
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.valid is None else self.valid.shape[0]
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.keys)
+
+    def _refuse(self, what: str):
+        raise ValueError(f"hfcp: {what} rewrites the KV cache, which hfcp spreads over the CP group; it is not "
+                         "supported: use greedy decoding or sampling (num_beams=1, no assistant model)")
+
+    def reorder_cache(self, beam_idx):
+        self._refuse("beam search")
+
+    def crop(self, tokens_to_remove: int):
+        self._refuse("assisted decoding (crop)")
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._refuse("expanding the batch of a filled cache")
+
+    def batch_select_indices(self, indices):
+        self._refuse("selecting rows of a filled cache")
+
+    def reset(self):
+        self.__init__(self.rank, self.cp_size)
+
+    def bytes_held(self) -> int:
+        """Bytes of keys and values this rank holds (the per-rank KV-cache memory)."""
+        return sum(t.numel() * t.element_size() for d in (self.keys, self.values) for t in d.values())
