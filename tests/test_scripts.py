@@ -1,5 +1,6 @@
 """Every script in scripts/ runs as the README documents it (tiny settings). finetune_lora.py: test_finetune.py;
 bench.py (and bench_step.py, which it launches): test_bench.py; smollm2_checkpoint.py: test_real_model.py."""
+import json
 import os
 import re
 import subprocess
@@ -35,6 +36,29 @@ def test_video_long_runs_and_matches_the_unpatched_loss():
     r = _run([*LAUNCH, "scripts/video_long.py", "--frames", "16", "--image-size", "32"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "loss" in r.stdout and "peak" in r.stdout, r.stdout
+
+
+def test_generate_long_streams_the_tokens_of_one_process(tmp_path):
+    # cp 2 under accelerate: the prompt spread over both processes, the tokens streamed and those of the unpatched
+    # model (--check), the time to first token, the decode speed and half the KV cache per rank reported
+    r = _run([*LAUNCH, "scripts/generate_long.py", "--prompt-tokens", "600", "--max-new-tokens", "6", "--check",
+              "--json", str(tmp_path / "summary.json")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["same_as_unpatched"] and summary["new_tokens"] == 6 and summary["processes"] == 2, summary
+    assert " ".join(map(str, summary["tokens"])) in r.stdout and "first token after" in r.stdout, r.stdout
+    assert summary["time_to_first_token_s"] > 0 and summary["decode_tokens_per_s"] > 0, summary
+
+
+def test_bench_generate_prints_a_row_per_run(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_generate
+
+    bench_generate.main(["--lengths", "200", "--cps", "1", "--new-tokens", "3", "--width", "64", "--layers", "1",
+                         "--json", str(tmp_path / "rows.json")])
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert len(rows) == 1 and rows[0]["prompt_tokens"] == 200 and len(rows[0]["tokens"]) == 3, rows
+    assert "| 200 | 1 |" in capsys.readouterr().out
 
 
 def test_gpu_check_is_valid_bash_and_refuses_without_a_gpu():
