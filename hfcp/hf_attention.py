@@ -56,7 +56,13 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     query, key, value, v_dim = same_head_dim(query, key, value)
     with torch.autocast(query.device.type, enabled=False):  # the strategies choose their own precisions
         out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.attention_group, sink)
+    if state.fwd.cache is not None and sliding_window and not blocks_or_chunks(spec):  # a prompt's prefill
+        state.fwd.cache.keep_window(getattr(module, "layer_idx", None), sliding_window)
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
+
+
+def blocks_or_chunks(spec: MaskSpec) -> bool:
+    return spec.blocks is not None or spec.chunk is not None
 
 
 def decode_call(module, query, key, value, step: DecodeStep, state, scaling, sliding_window, is_causal, softcap,
@@ -68,16 +74,18 @@ def decode_call(module, query, key, value, step: DecodeStep, state, scaling, sli
         raise ValueError(f"{type(module).__name__}: hfcp's generation implements causal attention with sliding windows, "
                          "softcap and sinks; this layer's mask (bidirectional, attention chunks or a mask built outside "
                          "the model) is not supported in decode steps yet")
-    cache = step.cache
-    if key.shape[2] != len(cache.columns):
-        raise RuntimeError(f"hfcp: {type(module).__name__} got {key.shape[2]} cached keys, the cache holds "
-                           f"{len(cache.columns)} here")
+    cache, layer = step.cache, getattr(module, "layer_idx", None)
+    if layer not in cache.columns or key.shape[2] != len(cache.columns[layer]):
+        raise RuntimeError(f"hfcp: {type(module).__name__} (layer_idx={layer!r}) got {key.shape[2]} keys that are not "
+                           "the ones hfcp's cache holds for its layer (a layer that shares another's cache?)")
     spec = MaskSpec(True, sliding_window, float(softcap) if softcap else None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = same_dtype(query, key, value, type(module).__name__)
     with torch.autocast(query.device.type, enabled=False):
-        out = decode_attention(query, key, value, step.columns, cache.columns.to(key.device),
-                               cache.valid.to(key.device), spec, scale, state.mesh.cp_group, sink)
+        out = decode_attention(query, key, value, step.columns, cache.columns[layer].to(key.device),
+                               cache.valid[layer].to(key.device), spec, scale, state.mesh.cp_group, sink)
+    if sliding_window:
+        cache.keep_window(layer, sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 

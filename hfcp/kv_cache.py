@@ -39,10 +39,12 @@ class ShardedKVCache(Cache):
     def __init__(self, rank: int, cp_size: int):
         super().__init__(layers=[])
         self.rank, self.cp_size = rank, cp_size
-        self.keys: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, L_r, D) this rank's cached keys
         self.values: dict[int, torch.Tensor] = {}
-        self.columns: torch.Tensor | None = None  # (L_r,) global column of each cached key of this rank
-        self.valid: torch.Tensor | None = None  # (B, L_r) bool, False for padding
+        self.columns: dict[int, torch.Tensor] = {}  # layer -> (L_r,) the global column of each of them
+        self.valid: dict[int, torch.Tensor] = {}  # layer -> (B or 1, L_r) bool, False for padding
+        self._new_columns: torch.Tensor | None = None  # the current forward's tokens this rank keeps, (n,)
+        self._new_valid: torch.Tensor | None = None  # and their padding, (B or 1, n)
         self.seen = 0  # global columns before the current forward
         self.decodes = 0  # decode forwards so far (the next one's tokens go to rank decodes % cp_size)
         self._new = 0  # columns the current forward adds
@@ -50,8 +52,8 @@ class ShardedKVCache(Cache):
         self._phase: str | None = None
 
     def __repr__(self):
-        return (f"ShardedKVCache(rank {self.rank} of {self.cp_size}, {self.seen} columns, "
-                f"{0 if self.columns is None else len(self.columns)} here)")
+        here = max((len(c) for c in self.columns.values()), default=0)
+        return f"ShardedKVCache(rank {self.rank} of {self.cp_size}, {self.seen} columns, up to {here} here)"
 
     def __len__(self):
         return len(self.keys)
@@ -61,22 +63,19 @@ class ShardedKVCache(Cache):
         if self.seen:
             raise ValueError(f"hfcp: a prompt forward with a cache that already holds {self.seen} columns: hfcp's cache "
                              "takes one prompt, then decode steps")
-        layout = step.layout
-        self.columns = step.local_index.clone()
-        valid = step.key_valid
-        self.valid = (valid.index_select(1, self.columns.to(valid.device)) if valid is not None
-                      else torch.ones(1, len(self.columns), dtype=torch.bool))
-        self._new, self._keeps_new, self._phase = layout.seq_len, True, "prefill"
+        columns, valid = step.local_index.clone(), step.key_valid
+        self._new_columns = columns
+        self._new_valid = (valid.index_select(1, columns.to(valid.device)) if valid is not None
+                           else torch.ones(1, len(columns), dtype=torch.bool, device=columns.device))
+        self._new, self._keeps_new, self._phase = step.layout.seq_len, True, "prefill"
 
     def begin_decode(self, new_valid: torch.Tensor) -> DecodeStep:
         """A decode forward of n new tokens (new_valid: (B, n) bool): its step, and which rank keeps them."""
         n = new_valid.shape[1]
-        columns = torch.arange(self.seen, self.seen + n, device=self.columns.device)
+        columns = torch.arange(self.seen, self.seen + n, device=new_valid.device)
         self._new, self._phase = n, "decode"
         self._keeps_new = self.decodes % self.cp_size == self.rank
-        if self._keeps_new:
-            self.columns = torch.cat([self.columns, columns])
-            self.valid = torch.cat([self.valid.expand(new_valid.shape[0], -1).to(new_valid.device), new_valid], 1)
+        self._new_columns, self._new_valid = columns, new_valid
         return DecodeStep(self, columns)
 
     def end_forward(self) -> None:
@@ -92,11 +91,32 @@ class ShardedKVCache(Cache):
             raise RuntimeError("hfcp: a ShardedKVCache used outside a forward of the patched model")
         if self._keeps_new:
             if layer_idx in self.keys and self._phase == "decode":
+                valid = self.valid[layer_idx]
+                batch = max(valid.shape[0], self._new_valid.shape[0])
                 self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key_states], -2)
                 self.values[layer_idx] = torch.cat([self.values[layer_idx], value_states], -2)
+                self.columns[layer_idx] = torch.cat([self.columns[layer_idx], self._new_columns.to(valid.device)])
+                self.valid[layer_idx] = torch.cat([valid.expand(batch, -1),
+                                                   self._new_valid.to(valid.device).expand(batch, -1)], 1)
             else:
                 self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
+                self.columns[layer_idx], self.valid[layer_idx] = self._new_columns, self._new_valid
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def keep_window(self, layer_idx: int, window: int) -> None:
+        """After a sliding-window layer's attention: drop this rank's keys that no later query sees (column <= the
+        newest column + 1 - window), as transformers' sliding-window cache keeps the window only."""
+        if layer_idx not in self.keys:
+            return
+        columns = self.columns[layer_idx]
+        newest = self.seen + self._new - 1
+        keep = (columns > newest + 1 - window).nonzero().flatten()
+        if len(keep) == len(columns):
+            return
+        self.keys[layer_idx] = self.keys[layer_idx].index_select(-2, keep.to(self.keys[layer_idx].device))
+        self.values[layer_idx] = self.values[layer_idx].index_select(-2, keep.to(self.values[layer_idx].device))
+        self.columns[layer_idx] = columns.index_select(0, keep)
+        self.valid[layer_idx] = self.valid[layer_idx].index_select(1, keep.to(self.valid[layer_idx].device))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -109,7 +129,7 @@ class ShardedKVCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        return -1 if self.valid is None else self.valid.shape[0]
+        return max((v.shape[0] for v in self.valid.values()), default=-1)
 
     @property
     def is_initialized(self) -> bool:

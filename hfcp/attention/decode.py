@@ -42,6 +42,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         allowed = allowed & (gap < spec.window)
     allowed = allowed[None, None] & key_valid[:, None, None, :]  # (B, 1, n, L_r)
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if scores.shape[-1] == 0:  # no key here (a sliding window's keys all on other ranks): weight 0, and still gather
+        scores = scores.new_full(scores.shape[:-1] + (1,), float("-inf"))
+        v = v.new_zeros(v.shape[:2] + (1, v.shape[-1]))
     top = scores.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a rank without a key for a query: weight 0
     weights = torch.exp(scores - top)
