@@ -11,3 +11,6 @@ python scripts/bench.py --lengths 8192 32768 --cps 1 --repeats 3 --out runs/benc
 # the full fine-tune mode on the GPU (one process: FSDP2 applies from two GPUs on, with the same command under
 # accelerate launch --multi_gpu --num_processes N)
 python scripts/finetune_lora.py --full-finetune --max-steps 20 --seq-len 4096 --eval-docs 2 --output-dir runs/gpu_full_finetune
+# generation after a long prompt on the GPU (one process; under accelerate launch --multi_gpu --num_processes N the
+# prompt and its KV cache spread over the GPUs), with --check against the unpatched model
+python scripts/generate_long.py --prompt-tokens 32768 --max-new-tokens 32 --width 256 --layers 4 --check --json runs/gpu_generate.json

@@ -40,3 +40,31 @@ def test_cuda_tiles_match_dense(case):
     assert float(((out.cpu() - ref.detach()) * valid).abs().max()) < 1e-4
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         assert float((got.cpu() - want).abs().max() / want.abs().max()) < 1e-4
+
+
+def test_cuda_decode_attention_matches_one_rank_dense():
+    """The decode step's attention (hfcp/attention/decode.py) on the GPU, one rank (a world of 1 over NCCL), against
+    softmax attention over the same keys: causal by column, a window, softcap and GQA. (One process runs a patched
+    model unchanged, so generation under CP itself needs 2 GPUs: tests/test_inference.py's workers under NCCL.)"""
+    import torch.distributed as dist
+
+    from hfcp.attention.blocks import MaskSpec
+    from hfcp.attention.decode import decode_attention
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    dev = torch.device("cuda:0")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g).to(dev) for s in ((2, 4, 2, 8), (2, 2, 50, 8), (2, 2, 50, 8)))
+    columns, new = torch.arange(50, device=dev), torch.tensor([48, 49], device=dev)
+    valid = torch.ones(2, 50, dtype=torch.bool, device=dev)
+    valid[0, :5] = False
+    spec = MaskSpec(True, 20, 30.0)
+    got = decode_attention(q, k, v, new, columns, valid, spec, 8 ** -0.5, dist.group.WORLD)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    s = torch.tanh(q @ kk.transpose(-1, -2) * 8 ** -0.5 / 30.0) * 30.0
+    gap = new[:, None] - columns[None]
+    allowed = (gap >= 0) & (gap < 20) & valid[:, None, None, :]
+    want = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vv
+    assert float((got - want).abs().max()) < 1e-5
+

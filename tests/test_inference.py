@@ -41,6 +41,12 @@ def test_greedy_generation_equals_the_unpatched_model(pool2, kind):
         assert r["cache"] == "ShardedKVCache" and r["kv_bytes"] <= r["ref_kv_bytes"] / 2 * 1.01, r
 
 
+@pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
+def test_generation_after_a_prefill_of_another_strategy(pool2, strategy):
+    for r in pool2.run(W.generated, "mistral", 300, 8, 5, False, False, strategy):
+        assert r["same_tokens"] and r["logit_err"] < 1e-5, r
+
+
 def test_generation_of_a_long_prompt_at_cp4_keeps_a_quarter_of_the_cache(pool4):
     for r in pool4.run(W.generated, "llama", 2000):
         assert r["same_tokens"] and r["logit_err"] < 1e-5, r

@@ -93,10 +93,10 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def generated(kind: str, length: int = 300, new: int = 8, pad: int = 5, sample: bool = False,
-              stop_early: bool = False) -> dict:
+              stop_early: bool = False, strategy: str = "ring") -> dict:
     """model.generate on the patched model (cp = world) against the unpatched model in this process: the tokens,
     the worst logit error over the steps, and the KV bytes this rank holds against the unpatched cache's.
-    stop_early: with an eos token, the one row 1 generates at step 2."""
+    stop_early: with an eos token, the one row 1 generates at step 2; strategy: the prefill's."""
     ref, model = _model(kind), _model(kind)
     model.load_state_dict(ref.state_dict())
     ref.eval(), model.eval()
@@ -109,7 +109,7 @@ def generated(kind: str, length: int = 300, new: int = 8, pad: int = 5, sample: 
             settings = {**settings, "eos_token_id": int(first[1, length + 2])}
         torch.manual_seed(3)
         want = ref.generate(**prompts, **settings)
-        hfcp.patch(model, timeout=60)  # hfcp's own group, with a timeout: a rank left waiting fails the test
+        hfcp.patch(model, timeout=60, strategy=strategy)  # hfcp's own group and a timeout: a rank left waiting fails
         try:
             torch.manual_seed(3)
             got = model.generate(**prompts, **settings)
