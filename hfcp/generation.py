@@ -78,5 +78,53 @@ def prepare_decode(state, module, kw: dict, cache: ShardedKVCache, step_token) -
              else torch.ones(batch, new, dtype=torch.bool, device=x.device))
     step = cache.begin_decode(valid)
     kw["attention_mask"] = step_token(step, x.device)
-    if "use_cache" in inspect.signature(module._old_forward).parameters:
+    parameters = inspect.signature(module._old_forward).parameters
+    if "use_cache" in parameters:
         kw["use_cache"] = True
+    if "output_router_logits" in parameters:  # the router aux loss is a training term: not in decode steps
+        kw["output_router_logits"] = False
+
+
+class TokensAgree:
+    """A stopping criterion generate() calls after every chosen token, on every rank: one all-gather over the CP group
+    of the new tokens, refused on every rank alike when they differ (sampling without one seed on every rank, a
+    kernel that is not deterministic). With the same tokens and the same logits on every rank, the ranks stop at the
+    same step (eos, lengths, stop strings), so none is left waiting in the next step's collectives. It never stops
+    generation itself."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        from .collectives import all_gather_no_grad
+
+        last = input_ids[:, -1:].to(torch.int64)
+        every = all_gather_no_grad(last[None], self.group, 0)  # (cp, B, 1)
+        if not bool((every == every[0]).all()):
+            raise ValueError("hfcp: the ranks of a CP group chose different tokens in generate(): sample with one "
+                             "seed on every rank (torch.manual_seed(...) before generate) and deterministic kernels")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def wrap_generate(model, group):
+    """model.generate while patched (an instance attribute; `unwrap_generate` removes it): with TokensAgree among
+    its stopping criteria, and max_time refused (each rank's clock would stop it at another step)."""
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        config = kwargs.get("generation_config") or model.generation_config
+        if kwargs.get("max_time") is not None or getattr(config, "max_time", None) is not None:
+            raise ValueError("hfcp: generate(max_time=...) would stop each rank of a CP group by its own clock, at "
+                             "different steps; pass max_new_tokens instead")
+        criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [TokensAgree(group)])
+        return original(*args, stopping_criteria=criteria, **kwargs)
+
+    generate.__wrapped__ = original
+    model.generate = generate
+
+
+def unwrap_generate(model) -> None:
+    if "generate" in model.__dict__:
+        del model.generate

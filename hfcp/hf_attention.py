@@ -70,7 +70,7 @@ def decode_call(module, query, key, value, step: DecodeStep, state, scaling, sli
     """A decode step's attention over the KV cache spread over the CP group: ((B, n, H, D), None)."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     chunk = attention_chunk(module)
-    if not causal or chunk or state.step.outer_masks is not None or state.step.blocks is not None:
+    if not causal or chunk or not step.cache.plain_masks:
         raise ValueError(f"{type(module).__name__}: hfcp's generation implements causal attention with sliding windows, "
                          "softcap and sinks; this layer's mask (bidirectional, attention chunks or a mask built outside "
                          "the model) is not supported in decode steps yet")

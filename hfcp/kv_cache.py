@@ -50,6 +50,7 @@ class ShardedKVCache(Cache):
         self._new = 0  # columns the current forward adds
         self._keeps_new = False  # whether this rank keeps the current forward's keys and values
         self._phase: str | None = None
+        self.plain_masks = True
 
     def __repr__(self):
         here = max((len(c) for c in self.columns.values()), default=0)
@@ -68,6 +69,7 @@ class ShardedKVCache(Cache):
         self._new_valid = (valid.index_select(1, columns.to(valid.device)) if valid is not None
                            else torch.ones(1, len(columns), dtype=torch.bool, device=columns.device))
         self._new, self._keeps_new, self._phase = step.layout.seq_len, True, "prefill"
+        self.plain_masks = step.outer_masks is None and step.blocks is None  # (decode steps need plain masks)
 
     def begin_decode(self, new_valid: torch.Tensor) -> DecodeStep:
         """A decode forward of n new tokens (new_valid: (B, n) bool): its step, and which rank keeps them."""
@@ -95,12 +97,14 @@ class ShardedKVCache(Cache):
                 batch = max(valid.shape[0], self._new_valid.shape[0])
                 self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key_states], -2)
                 self.values[layer_idx] = torch.cat([self.values[layer_idx], value_states], -2)
-                self.columns[layer_idx] = torch.cat([self.columns[layer_idx], self._new_columns.to(valid.device)])
+                device = key_states.device
+                self.columns[layer_idx] = torch.cat([self.columns[layer_idx], self._new_columns.to(device)])
                 self.valid[layer_idx] = torch.cat([valid.expand(batch, -1),
-                                                   self._new_valid.to(valid.device).expand(batch, -1)], 1)
-            else:
+                                                   self._new_valid.to(device).expand(batch, -1)], 1)
+            else:  # (columns and padding on the keys' device, where the decode steps read them)
                 self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
-                self.columns[layer_idx], self.valid[layer_idx] = self._new_columns, self._new_valid
+                self.columns[layer_idx] = self._new_columns.to(key_states.device)
+                self.valid[layer_idx] = self._new_valid.to(key_states.device)
         return self.keys[layer_idx], self.values[layer_idx]
 
     def keep_window(self, layer_idx: int, window: int) -> None:
@@ -126,6 +130,24 @@ class ShardedKVCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         raise RuntimeError("hfcp: a mask built over a ShardedKVCache: hfcp's attention builds its masks itself")
+
+    # transformers' generate reads these per layer (all([]) would be True: "every layer linear", and it would then
+    # feed the whole sequence again when a generation continues from this cache)
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * max(1, len(self.keys))
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * max(1, len(self.keys))
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * max(1, len(self.keys))
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
 
     @property
     def batch_size(self) -> int:

@@ -341,6 +341,9 @@ class ShardSequenceHook(ModelHook):
         if st.fwd.cache is not None:
             st.fwd.cache.end_forward()
             if st.fwd.decoding:  # its outputs are whole, the same on every rank
+                for v in (output.values() if not isinstance(output, tuple) else output):
+                    if isinstance(v, torch.Tensor):
+                        v.hfcp_whole = True  # hfcp.gather_sequence returns them as they are
                 return output
         if self._keep:
             if self._restore_head is not None:  # the stand-in clears it when called: the head never ran

@@ -15,7 +15,7 @@ from .collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
 from .introspect import (interface_attention_classes, logit_transform, not_through_interface, other_mixers,
                          router_aux_loss)
-from . import mixers, rope, vision_hooks, vlm_hooks
+from . import generation, mixers, rope, vision_hooks, vlm_hooks
 from .lm_hooks import ShardSequenceHook
 from .vision_split import VisionTowerSplitHook, splits_frames, splits_tower
 from .vlm_hooks import LanguageModelHook, find_language_model, module_with_config
@@ -289,6 +289,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     else:
         state.hooks = [(inner, ShardSequenceHook(state))]
         add_hook_to_module(inner, state.hooks[0][1], append=True)
+        if head == "causal_lm" and hasattr(inner, "generate"):
+            generation.wrap_generate(inner, mesh.cp_group)
         if state.router_aux is not None and not isinstance(state.router_aux, str):
             if inner.base_model is inner:
                 state.router_aux = f"{type(inner).__name__} has no base model whose router logits hfcp can take"
@@ -316,6 +318,7 @@ def unpatch(model):
         _remove_hook(module, ours)
     rope.detach(state.rope_restores)
     mixers.unbind(state.mixer_restores)
+    generation.unwrap_generate(inner)
     state.attn_owner.set_attn_implementation(state.original_attn)
     for m in state.modules:
         del m._hfcp_state

@@ -44,6 +44,8 @@ def attach(modules: list[torch.nn.Module], state) -> list:
 
         @functools.wraps(original)
         def forward(x, position_ids, *args, _original=original, _module=module, **kwargs):
+            if state.fwd.decoding:  # a decode step's positions are whole on every rank: the module's own update
+                return _original(x, position_ids, *args, **kwargs)
             step = state.step
             if step is None or step.max_position is None:
                 raise RuntimeError(f"{type(_module).__name__} (rope_type={_module.rope_type!r}) ran outside a forward "

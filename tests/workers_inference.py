@@ -13,13 +13,16 @@ def _model(kind: str):
     """A tiny model of tests/workers_model.py (llama, mistral: a window of 7, qwen2: a window of 6 on a layer) with
     4096 positions, or hfcp.tiny's of a type (gemma2: attention and final-logit softcapping, sliding and full
     layers; gpt_oss: attention sinks, sliding layers, MoE)."""
-    if kind in ("gemma2", "gpt_oss"):
+    if kind in ("gemma2", "gpt_oss", "mixtral"):  # mixtral: MoE with the router aux loss on (output_router_logits)
         from hfcp.tiny import tiny_model as tiny_of_type
 
         model = tiny_of_type(kind).float()
-        model.config.output_router_logits = False
+        model.config.output_router_logits = kind == "mixtral"
         model.config.use_cache = model.generation_config.use_cache = True  # hfcp.tiny turns it off for training
         return model
+    if kind == "llama_dynamic":  # dynamic NTK RoPE: the frequencies change once positions pass 64
+        return tiny_model("llama", max_position_embeddings=64, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                                "rope_theta": 10000.0})
     return tiny_model(kind, max_position_embeddings=4096)
 
 
@@ -100,6 +103,8 @@ def generated(kind: str, length: int = 300, new: int = 8, pad: int = 5, sample: 
     ref, model = _model(kind), _model(kind)
     model.load_state_dict(ref.state_dict())
     ref.eval(), model.eval()
+    ref.config.output_router_logits = False  # (unpatched, transformers' own generate fails with it on: its aux loss
+    # pairs a decode step's router logits with the whole mask)
     prompts = _prompts(ref.config.vocab_size, length, pad)
     settings = dict(max_new_tokens=new, do_sample=sample, return_dict_in_generate=True, output_scores=True,
                     pad_token_id=0)
@@ -131,11 +136,14 @@ def generate_refusal(case: str) -> str:
     if case == "prompt_lookup":  # assisted decoding takes one row
         prompts = {k: v[1:] for k, v in prompts.items()}
     options = {"beam_search": dict(num_beams=2), "static_cache": dict(cache_implementation="static"),
-               "prompt_lookup": dict(prompt_lookup_num_tokens=2), "differing_prompts": {}}[case]
+               "prompt_lookup": dict(prompt_lookup_num_tokens=2), "differing_prompts": {}, "max_time": dict(max_time=5.0),
+               "unshared_seed": dict(do_sample=True)}[case]
+    if case == "unshared_seed":  # each rank its own seed: the sampled tokens differ (refused, not a hang)
+        torch.manual_seed(100 + dist.get_rank())
     hfcp.patch(model, timeout=30)  # hfcp's own group, with a timeout: a rank left waiting would fail the test
     try:
         with torch.no_grad():
-            model.generate(**prompts, max_new_tokens=4, do_sample=False, pad_token_id=0, **options)
+            model.generate(**prompts, max_new_tokens=4, pad_token_id=0, **{"do_sample": False, **options})
         return "ran"
     except ValueError as e:
         return str(e)
@@ -189,3 +197,25 @@ def refused_generation(kind: str) -> str:
         return str(e)
     finally:
         hfcp.unpatch(model)
+
+
+def continued(kind: str = "llama") -> dict:
+    """A generation continued from the cache of an earlier one (new tokens appended to its sequences), against the
+    unpatched model doing the same."""
+    ref, model = _model(kind), _model(kind)
+    model.load_state_dict(ref.state_dict())
+    prompts = {"input_ids": _prompts(ref.config.vocab_size, 40, 0)["input_ids"]}
+    more = torch.tensor([[7, 8, 9, 10], [11, 12, 13, 14]])
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        first = ref.generate(**prompts, **settings)
+        want = ref.generate(input_ids=torch.cat([first.sequences, more], 1), cache=first.cache, **settings)
+        hfcp.patch(model, timeout=60)
+        try:
+            out = model.generate(**prompts, **settings)
+            got = model.generate(input_ids=torch.cat([out.sequences, more], 1), cache=out.cache, **settings)
+        finally:
+            hfcp.unpatch(model)
+    return {"same_tokens": torch.equal(got.sequences, want.sequences),
+            "logit_err": max(_relative(g, w) for g, w in zip(got.scores, want.scores)),
+            "columns": got.cache.get_seq_length(), "ref_columns": want.cache.get_seq_length()}
