@@ -29,18 +29,21 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             the caller.
     Returns: (B, H, n, D) in the query's dtype.
     """
-    heads, kv_heads = query.shape[1], key.shape[1]
+    batch, heads, new, _ = query.shape
+    kv_heads = key.shape[1]
+    group_size = heads // kv_heads
     f32 = torch.promote_types(query.dtype, torch.float32)
-    k = key.to(f32).repeat_interleave(heads // kv_heads, 1)
-    v = value.to(f32).repeat_interleave(heads // kv_heads, 1)
-    scores = torch.einsum("bhnd,bhkd->bhnk", query.to(f32), k) * scale
+    k, v = key.to(f32), value.to(f32)
+    # GQA without repeating the cache: the query heads of one KV head side by side, (B, Hkv, group * n, D)
+    q = query.to(f32).reshape(batch, kv_heads, group_size * new, query.shape[-1])
+    scores = torch.einsum("bhnd,bhkd->bhnk", q, k) * scale
     if spec.softcap:
         scores = torch.tanh(scores / spec.softcap) * spec.softcap
-    gap = query_columns.to(key_columns.device)[:, None] - key_columns[None, :]  # (n, L_r)
+    gap = (query_columns.to(key_columns.device)[:, None] - key_columns[None, :]).repeat(group_size, 1)  # (g*n, L_r)
     allowed = gap >= 0
     if spec.window is not None:
         allowed = allowed & (gap < spec.window)
-    allowed = allowed[None, None] & key_valid[:, None, None, :]  # (B, 1, n, L_r)
+    allowed = allowed[None, None] & key_valid[:, None, None, :]  # (B, 1, g*n, L_r)
     scores = scores.masked_fill(~allowed, float("-inf"))
     if scores.shape[-1] == 0:  # no key here (a sliding window's keys all on other ranks): weight 0, and still gather
         scores = scores.new_full(scores.shape[:-1] + (1,), float("-inf"))
@@ -50,7 +53,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     weights = torch.exp(scores - top)
     total = weights.sum(-1, keepdim=True)  # (B, H, n, 1)
     out = torch.einsum("bhnk,bhkd->bhnd", weights, v) / total.clamp_min(torch.finfo(f32).tiny)
-    lse = top + torch.log(total)  # -inf where no key
+    out = out.reshape(batch, heads, new, v.shape[-1])
+    lse = (top + torch.log(total)).reshape(batch, heads, new, 1)  # -inf where no key
     parts = all_gather(torch.cat([out, lse], -1)[None], group, 0)  # (cp, B, H, n, D + 1)
     outs, lses = parts[..., :-1], parts[..., -1]
     merged = torch.logsumexp(lses, 0)  # (B, H, n)
