@@ -1,4 +1,11 @@
-"""The (dp, cp) process mesh: cp is the inner dimension, so ranks [d*cp, (d+1)*cp) form CP group d."""
+"""The process mesh of a CP group: which ranks share a sequence (the CP group), and which share a batch.
+
+Ranks of one CP group share a batch; under tensor parallelism the ranks of one TP group do too, so a data-parallel
+group is a CP group times a TP group. hfcp's own groups (`cp_size`) put cp inside dp and outside tp, in the rank
+order of accelerate's ParallelismConfig and transformers' DistributedConfig: rank = (d * cp + c) * tp + t. A group
+given by the caller (`process_group`, `device_mesh`) may be any set of ranks: the data-parallel coordinates are then
+read from every rank's groups, in one all-gather over the world at patch time.
+"""
 from __future__ import annotations
 
 import datetime
@@ -17,8 +24,10 @@ class Mesh:
     cp_group: object  # ProcessGroup
     cp_size: int
     cp_rank: int
-    dp_size: int
+    dp_size: int  # groups of ranks that share a batch (CP x TP groups)
     dp_rank: int
+    cp_groups: tuple[tuple[int, ...], ...]  # the global ranks of every CP group of the world, in the same order everywhere
+    data_leaders: tuple[int, ...]  # the first global rank of each data-parallel group, by dp_rank
 
 
 def as_timedelta(timeout) -> datetime.timedelta | None:
@@ -57,59 +66,119 @@ def world_size() -> int:
     return 1
 
 
-def build_mesh(cp_size: int | None, process_group=None, timeout=None) -> Mesh | None:
+def cp_group_of_device_mesh(device_mesh):
+    """The process group of a DeviceMesh's CP dimension: a 1-D mesh, or the dimension named "cp" of a larger one."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(device_mesh, DeviceMesh):
+        raise ValueError(f"device_mesh={device_mesh!r} must be a torch DeviceMesh (such as mesh['cp'] of "
+                         "init_device_mesh(..., mesh_dim_names=(..., 'cp', ...)))")
+    names = device_mesh.mesh_dim_names or ()
+    if device_mesh.ndim > 1:
+        if "cp" not in names:
+            raise ValueError(f"device_mesh has {device_mesh.ndim} dimensions {names} and none named 'cp': pass the "
+                             "CP dimension, device_mesh=mesh['<name>']")
+        device_mesh = device_mesh["cp"]
+    return device_mesh.get_group()
+
+
+def build_mesh(cp_size: int | None, process_group=None, timeout=None, tp_ranks: list[int] | None = None) -> Mesh | None:
     """The CP group of this rank, or None when context parallelism is a no-op (one process, cp_size 1).
 
     Args:
-        cp_size: ranks per CP group; None means the whole world (or the size of `process_group`).
+        cp_size: ranks per CP group; None means the whole world (divided by the TP size), or the size of
+            `process_group`.
         process_group: use this group as the CP group instead of building the mesh.
         timeout: bounds every collective on the CP group (seconds or timedelta).
+        tp_ranks: the global ranks of this rank's tensor-parallel group (the model's), None without TP.
     Raises:
-        ValueError: cp_size not a positive int, larger than or not dividing the world size.
+        ValueError: cp_size not a positive int, larger than or not dividing the world size (over the TP size); a
+            CP group that shares ranks with the TP group or that does not hold this rank.
     """
     td = as_timedelta(timeout)
+    tp = len(tp_ranks) if tp_ranks else 1
     if process_group is not None:
-        # new_group gives non-members a placeholder, not the group: hfcp cannot see its ranks then
-        member = process_group is not dist.GroupMember.NON_GROUP_MEMBER
-        ranks = dist.get_process_group_ranks(process_group) if member else "(not a member)"
-        if not member or dist.get_rank() not in ranks:
-            raise ValueError(
-                f"process_group has global ranks {ranks}, which do not include this rank {dist.get_rank()}: pass "
-                "every rank the CP group it belongs to (or pass cp_size and let hfcp build the groups)"
-            )
-        size = dist.get_world_size(process_group)
-        if cp_size is not None and cp_size != size:
-            raise ValueError(f"cp_size={cp_size} differs from the size {size} of the given process_group")
-        if td is not None:
-            raise ValueError("timeout= applies to the groups hfcp creates; create your process_group with "
-                             "torch.distributed.new_group(..., timeout=...) instead")
-        if size == 1:
-            return None
-        if ranks != list(range(ranks[0], ranks[0] + size)) or ranks[0] % size:
-            raise ValueError(
-                f"process_group ranks {ranks}: hfcp needs consecutive blocks [d*cp, (d+1)*cp) to know each rank's "
-                "data-parallel index; pass cp_size instead and let hfcp build the groups"
-            )
-        world = dist.get_world_size()
-        return Mesh(process_group, size, dist.get_rank(process_group), world // size, ranks[0] // size)
+        return _given_group(process_group, cp_size, td, tp_ranks)
     world = world_size()
+    if tp > 1 and (world % tp or tp_ranks != _block(dist.get_rank() // tp, tp)):
+        raise ValueError(f"the model's tensor-parallel group has ranks {tp_ranks}: hfcp builds its CP groups outside "
+                         "TP groups of consecutive ranks (as accelerate and transformers lay them out); pass "
+                         "device_mesh=mesh['cp'] (or process_group=) for another layout")
     if cp_size is None:
-        cp_size = world
+        cp_size = world // tp
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
         raise ValueError(f"cp_size={cp_size!r} must be a positive integer (or None for the whole world)")
-    if cp_size > world or world % cp_size:
-        raise ValueError(
-            f"cp_size={cp_size} must divide the world size {world}; "
-            f"choose one of {[d for d in range(1, world + 1) if world % d == 0]}"
-        )
+    if cp_size * tp > world or world % (cp_size * tp):
+        room = world // tp
+        what = f"{room} (the world size {world} over the model's tp_size={tp})" if tp > 1 else f"the world size {world}"
+        raise ValueError(f"cp_size={cp_size} must divide {what}; "
+                         f"choose one of {[d for d in range(1, room + 1) if room % d == 0]}")
     if cp_size == 1:
         return None
     rank = dist.get_rank()
+    groups = tuple(tuple((d * cp_size + c) * tp + t for c in range(cp_size))
+                   for d in range(world // (cp_size * tp)) for t in range(tp))
     mine = None
-    for d in range(world // cp_size):  # every rank creates every group, in the same order
-        ranks = list(range(d * cp_size, (d + 1) * cp_size))
-        group = dist.new_group(ranks, timeout=td) if td is not None else dist.new_group(ranks)
+    for ranks in groups:  # every rank creates every group, in the same order
+        group = dist.new_group(list(ranks), timeout=td) if td is not None else dist.new_group(list(ranks))
         if rank in ranks:
             mine = group
-    log.info("hfcp: mesh dp=%d x cp=%d, rank %d is cp rank %d", world // cp_size, cp_size, rank, rank % cp_size)
-    return Mesh(mine, cp_size, rank % cp_size, world // cp_size, rank // cp_size)
+    d, c = rank // (cp_size * tp), (rank // tp) % cp_size
+    log.info("hfcp: mesh dp=%d x cp=%d x tp=%d, rank %d is cp rank %d", world // (cp_size * tp), cp_size, tp, rank, c)
+    leaders = tuple(range(0, world, cp_size * tp))
+    return Mesh(mine, cp_size, c, len(leaders), d, groups, leaders)
+
+
+def _block(index: int, size: int) -> list[int]:
+    return list(range(index * size, (index + 1) * size))
+
+
+def _given_group(process_group, cp_size, td, tp_ranks) -> Mesh | None:
+    """A CP group the caller made: every rank's groups are gathered over the world first (every rank of the world
+    calls patch), so that a group refused on one rank is refused on all of them, none left waiting."""
+    # new_group gives non-members a placeholder, not the group: hfcp cannot see its ranks then
+    member = process_group is not dist.GroupMember.NON_GROUP_MEMBER
+    ranks = dist.get_process_group_ranks(process_group) if member else []
+    me, world = dist.get_rank(), dist.get_world_size()
+    problem = None
+    if me not in ranks:
+        problem = (f"process_group has global ranks {ranks or '(not a member)'}, which do not include rank {me}: "
+                   "pass every rank the CP group it belongs to (or pass cp_size and let hfcp build the groups)")
+    elif cp_size is not None and cp_size != len(ranks):
+        problem = f"cp_size={cp_size} differs from the size {len(ranks)} of the given process_group"
+    elif td is not None:
+        problem = ("timeout= applies to the groups hfcp creates; create your process_group with "
+                   "torch.distributed.new_group(..., timeout=...) instead")
+    elif tp_ranks and set(ranks) & set(tp_ranks) != {me}:
+        problem = (f"the CP group {ranks} shares ranks with the model's tensor-parallel group {tp_ranks}: the CP "
+                   "group must be orthogonal to TP (mesh['cp'] of a mesh with both 'cp' and 'tp' dimensions)")
+    every = [None] * world
+    dist.all_gather_object(every, (problem, tuple(ranks), tuple(tp_ranks or [me])))
+    problems = {p for p, _, _ in every if p is not None}
+    if problems:
+        raise ValueError(problem if problem is not None else f"another rank refused its process_group: {problems.pop()}")
+    sizes = {len(cp) for _, cp, _ in every}
+    if len(sizes) > 1:
+        raise ValueError(f"the ranks pass CP groups of different sizes {sorted(sizes)}: give every rank one of the "
+                         "same size")
+    if len(ranks) == 1:
+        return None
+    return _coordinates(process_group, [(cp, tps) for _, cp, tps in every])
+
+
+def _coordinates(process_group, every: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> Mesh:
+    """Every rank's (CP ranks, TP ranks): the data-parallel groups are their unions (CP group x TP group)."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    cp_ranks = list(every[me][0])
+    cps = sorted({cp for cp, _ in every})
+    data = [{x for c in cp for x in every[c][1]} | set(tps) for cp, tps in every]  # each rank's data group
+    groups = sorted({tuple(sorted(g)) for g in data})
+    covered = sorted(x for g in groups for x in g)
+    if covered != list(range(world)) or any(len(g) != len(groups[0]) for g in groups):
+        raise ValueError(f"the CP groups {cps} with the TP groups {sorted({tps for _, tps in every})} do not split "
+                         "the world into equal data-parallel groups: give every rank a CP group of the same size, "
+                         "each orthogonal to TP")
+    mine = next(i for i, g in enumerate(groups) if me in g)
+    log.info("hfcp: CP group %s, data-parallel group %d of %d", cp_ranks, mine, len(groups))
+    return Mesh(process_group, len(cp_ranks), cp_ranks.index(me), len(groups), mine, tuple(cps),
+                tuple(g[0] for g in groups))

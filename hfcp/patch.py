@@ -22,9 +22,10 @@ from .vlm_hooks import LanguageModelHook, find_language_model, module_with_confi
 from .linear_ce import IDENTITY, LogitTransform
 from .forward_data import ForwardData
 from .layout import StepBatch
-from .mesh import Mesh, as_timedelta, build_mesh
+from .mesh import Mesh, as_timedelta, build_mesh, cp_group_of_device_mesh
 from .registry import REGISTRY, Patcher, UnsupportedModelError
 from .router_loss import RouterStatsHook
+from .tensor_parallel import is_sharded, tensor_parallel_ranks
 
 log = logging.getLogger("hfcp")
 
@@ -185,7 +186,8 @@ def _head_kind(model: PreTrainedModel, model_type: str, token_model: bool) -> st
 
 
 def patch(model, cp_size: int | None = None, strategy: str = "ring", process_group=None, timeout=None,
-          check_inputs: bool = True, loss_chunk: int | str | None = "auto", ulysses_size: int | None = None):
+          check_inputs: bool = True, loss_chunk: int | str | None = "auto", ulysses_size: int | None = None,
+          device_mesh=None):
     """Make `model` context-parallel in place and return it.
 
     Args:
@@ -193,7 +195,9 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         cp_size: ranks per CP group (None: the whole world, or the size of `process_group`).
         strategy: "ring", "allgather", "ulysses" or "usp" (Ulysses inside groups of `ulysses_size` consecutive
             ranks, ring across them).
-        process_group: an existing group to use as the CP group.
+        process_group: an existing group to use as the CP group: any set of ranks (with groups that are not
+            hfcp's own consecutive blocks, every rank of the world must call patch: their data-parallel
+            coordinates are read in one all-gather).
         timeout: seconds or timedelta bounding every collective on the CP group.
         check_inputs: verify each step (one tiny all-gather) that every rank of a CP group got the same batch.
         loss_chunk: how a causal LM's loss is computed when labels are given. An int: this many tokens at a
@@ -202,12 +206,19 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             (default): 1024-token chunks in training forwards (train mode, grad enabled), logits otherwise.
         ulysses_size: usp only: ranks per Ulysses group (None: the largest divisor of cp that divides both head
             counts).
+        device_mesh: a torch DeviceMesh whose group is the CP group: a 1-D mesh such as `mesh["cp"]`, or a mesh
+            with a dimension named "cp". Instead of `process_group`.
+
+    A model that transformers loaded tensor-parallel (`tp_plan`, DistributedConfig) keeps its TP: each rank's
+    attention sees its TP rank's heads, and the CP groups run across TP groups (hfcp builds them so with
+    `cp_size`; a given group must share no rank with the TP group).
     Returns:
         The same model object. With one process or cp_size 1 the model is left unchanged.
     Raises:
         UnsupportedModelError: no patcher for config.model_type, or an unsupported head.
         ValueError: unknown strategy, bad cp_size / timeout / check_inputs / loss_chunk, ulysses with indivisible
-            heads, a process_group without this rank, already patched with other settings.
+            heads, a process_group without this rank, a CP group inside the TP group, already patched with other
+            settings.
     """
     if loss_chunk not in (None, "auto") and (not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool) or loss_chunk < 1):
         raise ValueError(f"loss_chunk={loss_chunk!r} must be a positive number of tokens, 'auto' or None")
@@ -225,8 +236,21 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         chunk = None
     if not isinstance(check_inputs, bool):
         raise ValueError(f"check_inputs={check_inputs!r} must be True or False")
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError("pass either process_group= or device_mesh= (the CP group), not both")
+        process_group = cp_group_of_device_mesh(device_mesh)
+    tp_ranks = tensor_parallel_ranks(inner)
+    if tp_ranks is not None and chunk is not None and is_sharded(inner.get_output_embeddings().weight):
+        if loss_chunk != "auto":
+            raise ValueError(f"loss_chunk={loss_chunk!r}: the output head of this tensor-parallel model is sharded "
+                             "over the vocabulary, which hfcp's chunked loss does not split; use loss_chunk=None "
+                             "(or 'auto'): the head gathers its logits and hfcp computes the loss from them")
+        log.info("hfcp: the output head is tensor-parallel: the loss is computed from its gathered logits")
+        chunk = None
     settings = dict(cp_size=cp_size, strategy=strategy, process_group=process_group, timeout=as_timedelta(timeout),
-                    check_inputs=check_inputs, loss_chunk=loss_chunk, ulysses_size=ulysses_size)
+                    check_inputs=check_inputs, loss_chunk=loss_chunk, ulysses_size=ulysses_size,
+                    device_mesh=device_mesh)
     existing = getattr(inner, "_hfcp_state", None)
     if existing is not None:
         if existing.settings == settings:
@@ -242,19 +266,26 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         raise UnsupportedModelError(
             f"the {model_type!r} patcher looks for {patcher.attention_classes} but {type(inner).__name__} has none"
         )
-    mesh = build_mesh(cp_size, process_group, timeout)
+    mesh = build_mesh(cp_size, process_group, timeout, tp_ranks)
     if mesh is None:
         log.info("hfcp: one process or cp_size=1: %s runs unchanged", type(inner).__name__)
         return model
     cfg = inner.config.get_text_config()
     heads = getattr(cfg, patcher.num_heads_attr)
     kv_heads = getattr(cfg, patcher.num_kv_heads_attr, None) or heads
-    if strategy == "ulysses":
-        check_heads(heads, kv_heads, mesh.cp_size)
+    if tp_ranks is not None:  # each TP rank's attention holds its share of the heads
+        heads, kv_heads = heads // len(tp_ranks), max(kv_heads // len(tp_ranks), 1)
+    try:
+        if strategy == "ulysses":
+            check_heads(heads, kv_heads, mesh.cp_size)
+        u = check_ulysses_size(ulysses_size, mesh.cp_size, heads, kv_heads) if strategy == "usp" else None
+    except ValueError as e:
+        if tp_ranks is None:
+            raise
+        raise ValueError(f"{e} (the head counts of one tensor-parallel rank: the model's over tp={len(tp_ranks)})") from None
     attention_group = mesh.cp_group
     if strategy == "usp":  # every rank builds every sub-group (collective), after the checks that can raise
-        u = check_ulysses_size(ulysses_size, mesh.cp_size, heads, kv_heads)
-        attention_group = build_usp_groups(mesh.cp_group, u, as_timedelta(timeout))
+        attention_group = build_usp_groups(mesh.cp_groups, u, as_timedelta(timeout))
     elif ulysses_size is not None:
         raise ValueError(f"ulysses_size={ulysses_size!r} applies to strategy='usp' only (strategy={strategy!r})")
     embeddings = None

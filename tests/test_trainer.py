@@ -188,3 +188,43 @@ def test_vlm_lora_fine_tune_cp2_equals_one_process(pool1, pool2, with_images):
                 if k in r:
                     assert abs(g[k] - r[k]) <= 1e-4 * max(1.0, abs(r[k])), (k, g, r)
         assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-5 * abs(ref["eval_loss"]), (got, ref)
+
+
+# ---- accelerate's ParallelismConfig as the front door (issue 21) ------------------------------------------------
+import workers_layout as L  # noqa: E402
+
+
+def test_parallelism_config_cp2_equals_one_process(pool2, reference):
+    """TrainingArguments(parallelism_config=ParallelismConfig(cp_size=2)): hfcp takes the cp dimension, accelerate
+    gets no layout (DDP over the processes), so torch's CP is never enabled."""
+    for got in pool2.run(L.layout_run, 4, dict(cp_size=2)):
+        assert got["cp"] == 2 and got["handed"] is None, got["handed"]
+        assert_same_run(got, reference[1])
+
+
+def test_accelerate_launch_parallelism_flags_cp2(pool2, reference):
+    """The environment `accelerate launch --use_parallelism_config --parallelism_config_cp_size 2` sets."""
+    for got in pool2.run(L.layout_run, 4, None, False, True):
+        assert got["cp"] == 2 and got["handed"] is None, got["handed"]
+        assert_same_run(got, reference[1])
+
+
+def test_parallelism_config_dp_shard2_x_cp2_under_fsdp2(pool4, reference):
+    """ParallelismConfig(dp_shard_size=2, cp_size=2) on 4 processes: accelerate is handed dp_shard 4 (= dp_shard x cp,
+    the same ranks), builds its mesh and shards with FSDP2 over it; hfcp does cp; the run equals one process's."""
+    for got in pool4.run(L.layout_run, 2, dict(dp_shard_size=2, cp_size=2), True):
+        assert got["model_class"] == "FSDPLlamaForCausalLM" and got["handed"] == (4, 1, False), got
+        assert got["cp"] == 2
+        assert_same_run(got, reference[1])
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("conflict", "cp_size=1 given to the trainer, but parallelism_config.cp_size=2"),
+    ("sp", "has sp_size=2"),
+    ("size", "covers 4 processes, but 2 run"),
+    ("tp", "has tp_size=2"),
+    ("dp_shard_on_cpu", "which accelerate refused: ParallelismConfig is only compatible"),
+])
+def test_parallelism_config_refusals(pool2, kind, message):
+    for msg in pool2.run(L.layout_refused, kind):
+        assert msg and message in msg, msg

@@ -25,7 +25,7 @@ def group_for(case: dict, mesh):
 
     key = ("usp", case["cp"], case.get("ulysses_size", 2))
     if key not in _MESHES:
-        _MESHES[key] = build_usp_groups(mesh.cp_group, key[2])
+        _MESHES[key] = build_usp_groups(mesh.cp_groups, key[2])
     return _MESHES[key]
 
 

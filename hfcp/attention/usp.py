@@ -44,20 +44,21 @@ def check_ulysses_size(ulysses_size, cp: int, num_heads: int, num_kv_heads: int)
     return ulysses_size
 
 
-def build_usp_groups(cp_group, ulysses_size: int, timeout=None) -> UspGroups:
-    """Every rank creates every sub-group of every CP group, in the same order (new_group is collective)."""
-    world, cp = dist.get_world_size(), dist.get_world_size(cp_group)
+def build_usp_groups(cp_groups, ulysses_size: int, timeout=None) -> UspGroups:
+    """Every rank creates every sub-group of every CP group, in the same order (new_group is collective).
+
+    cp_groups: the global ranks of every CP group of the world (`Mesh.cp_groups`)."""
     me = dist.get_rank()
     mine = {}
     kw = {"timeout": timeout} if timeout is not None else {}
-    for base in range(0, world, cp):
-        for j in range(cp // ulysses_size):
-            ranks = list(range(base + j * ulysses_size, base + (j + 1) * ulysses_size))
+    for ranks_of_cp in cp_groups:
+        for j in range(len(ranks_of_cp) // ulysses_size):
+            ranks = list(ranks_of_cp[j * ulysses_size:(j + 1) * ulysses_size])
             group = dist.new_group(ranks, **kw)
             if me in ranks:
                 mine["ulysses"] = group
         for i in range(ulysses_size):
-            ranks = list(range(base + i, base + cp, ulysses_size))
+            ranks = list(ranks_of_cp[i::ulysses_size])
             group = dist.new_group(ranks, **kw)
             if me in ranks:
                 mine["ring"] = group

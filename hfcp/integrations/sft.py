@@ -28,6 +28,7 @@ class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
 
     def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
                  **kwargs):
+        self._hfcp_cp_size_given = cp_size  # read with the layout, when the parent creates its Accelerator
         super().__init__(*args, **kwargs)
         self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
                              check_inputs=check_inputs))
@@ -65,7 +66,7 @@ class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
 
     def _log_token_metrics(self, mode: str, inputs) -> None:
         """SFTTrainer's entropy, mean_token_accuracy and num_tokens, from hfcp's per-chunk sums."""
-        cp = self.get_cp_size()
+        cp = self._hfcp_batch_sharers
         stats = cp_state(self.model).fwd.token_stats  # (3,) summed over this CP group
         if stats is None:
             raise RuntimeError("hfcp computed no token statistics: was the batch given labels?")

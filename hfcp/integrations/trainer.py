@@ -13,6 +13,7 @@ What changes against the parent, and why:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -26,6 +27,7 @@ from ..data import data_parallel_rank_and_size
 from ..mesh import as_timedelta
 from ..lm_hooks import DEFAULT_LOSS_CHUNK
 from ..patch import cp_state, gather_sequence, patch
+from .parallelism import accelerate_view, describe, handed_to_accelerate, layout_problems, requested_layout
 
 log = logging.getLogger("hfcp")
 UNSET = object()  # an hfcp.patch option the caller did not give (None is a value: cp_size=None, loss_chunk=None)
@@ -68,6 +70,8 @@ class HfcpTrainerMixin:
         self._hfcp_refuse_unsupported()
         self._hfcp_step_loss_next = False  # set by prediction_step for the gather of its loss that follows
         given = {k: v for k, v in patch_options.items() if v is not UNSET}
+        if self._hfcp_layout is not None:  # the layout's cp dimension (checked against a cp_size given)
+            given["cp_size"] = self._hfcp_layout.cp_size
         state = cp_state(self.model)
         if state is None:
             patch(self.model, **given)
@@ -104,8 +108,6 @@ class HfcpTrainerMixin:
                             "length it sees, which is a rank's shard under CP)")
         if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
             problems.append("train_sampling_strategy='batch_rebalance' (its sampler shards by process, not by CP group)")
-        if getattr(args, "parallelism_config", None) is not None:
-            problems.append("parallelism_config (accelerate's own CP/TP/SP; hfcp provides the context parallelism)")
         if args.accelerator_config.split_batches:
             problems.append("accelerator_config.split_batches=True (the Trainer would weight eval losses by the unsplit "
                             "batch size; set per_device_train_batch_size to the batch of each CP group instead)")
@@ -115,9 +117,37 @@ class HfcpTrainerMixin:
         if problems:
             raise ValueError(f"{type(self).__name__} cannot run exactly with: {'; '.join(problems)}")
 
-    # ---- data over DP groups -------------------------------------------------------------------------------
+    # ---- the layout: accelerate's ParallelismConfig ------------------------------------------------------------
+    def _hfcp_take_layout(self, cp_size) -> None:
+        """Before the Accelerator exists: the ParallelismConfig asked for (TrainingArguments or accelerate launch), or
+        None; refused when hfcp cannot run it exactly (cp_size: the trainer's own option, UNSET when not given)."""
+        self._hfcp_layout = layout = requested_layout(self.args)
+        if layout is None:
+            return
+        problems = layout_problems(layout, self.args.world_size, None if cp_size is UNSET else cp_size)
+        if problems:
+            raise ValueError(f"{type(self).__name__} cannot run this layout exactly: {'; '.join(problems)}")
+
     def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
+        if not hasattr(self, "_hfcp_layout"):  # the first call, from the parent's __init__
+            self._hfcp_take_layout(getattr(self, "_hfcp_cp_size_given", UNSET))
+        layout = self._hfcp_layout
+        view = accelerate_view(layout) if layout is not None else None
+        with handed_to_accelerate(self.args, view) if layout is not None else contextlib.nullcontext():
+            try:
+                super().create_accelerator_and_postprocess()
+            except ValueError as e:
+                if view is None:
+                    raise
+                raise ValueError(f"{describe(layout)}: hfcp does its cp dimension and hands accelerate {describe(view)} "
+                                 f"(FSDP2 over dp_shard x cp), which accelerate refused: {e}") from e
+        if view is not None and view.dp_shard_size > 1 and not self.accelerator.is_fsdp2:
+            raise ValueError(f"{describe(layout)}: dp_shard x cp = {view.dp_shard_size} ranks shard the parameters "
+                             "with FSDP2, which accelerate did not enable: pass fsdp_config={'version': 2} (or launch "
+                             "with --use_fsdp --fsdp_version 2)")
+        if layout is not None:
+            log.info("hfcp: %s: CP over its cp dimension by hfcp, %s", describe(layout),
+                     f"accelerate over {describe(view)}" if view is not None else "DDP over every process")
         model = getattr(self, "model", None)
         if model is not None and cp_state(model) is not None:  # re-created by train(): keep the DP sharding
             self._install_dp_data_loader()
@@ -160,6 +190,11 @@ class HfcpTrainerMixin:
         state = cp_state(self.model)
         return (state.mesh.cp_rank, state.mesh.cp_size) if state is not None else (0, 1)
 
+    @property
+    def _hfcp_batch_sharers(self) -> int:
+        """Processes that share one batch: a CP group (times a TP group); 1 unpatched."""
+        return self.args.world_size // data_parallel_rank_and_size(self.model)[1]
+
     def get_cp_size(self) -> int:
         """Ranks that share one batch: the Trainer divides gathered counts and the world size by it."""
         return self._hfcp_cp[1]
@@ -182,14 +217,14 @@ class HfcpTrainerMixin:
             raise ValueError(f"the model returned no loss (inputs: {sorted(inputs)}); pass labels")
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         if self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs and num_items_in_batch is not None:
-            loss = loss * (self.args.world_size // self.get_cp_size())
+            loss = loss * data_parallel_rank_and_size(self.model)[1]  # the reducer averages over dp x cp ranks
         return (loss, outputs) if return_outputs else loss
 
     # ---- counters -------------------------------------------------------------------------------------------
     def _track_num_input_tokens(self, inputs):
         before = self.state.num_input_tokens_seen
-        super()._track_num_input_tokens(inputs)  # gathered over all processes: each CP group counted cp times
-        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.get_cp_size()
+        super()._track_num_input_tokens(inputs)  # gathered over all processes: each batch counted by all its sharers
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self._hfcp_batch_sharers
 
     def floating_point_ops(self, inputs) -> int:
         return super().floating_point_ops(inputs) if self._hfcp_cp[0] == 0 else 0  # summed over processes
@@ -273,11 +308,11 @@ class HfcpTrainerMixin:
     def _gather_once_per_dp_group(self, data):
         """accelerate's gather_for_metrics, keeping one copy per CP group (every rank of it holds the same)."""
         acc = self.accelerator
-        cp = self.get_cp_size()
+        leaders = list(cp_state(self.model).mesh.data_leaders)  # the first rank of each DP group, by dp rank
         world = self.args.world_size
 
         def first_of_each_group(t):  # (world * n, ...) in rank order -> (dp * n, ...)
-            return t.reshape(world, -1, *t.shape[1:])[::cp].reshape(-1, *t.shape[1:])
+            return t.reshape(world, -1, *t.shape[1:])[leaders].reshape(-1, *t.shape[1:])
 
         data = recursively_apply(first_of_each_group, acc.gather(data))
         step_loss, self._hfcp_step_loss_next = self._hfcp_step_loss_next, False
@@ -334,6 +369,7 @@ class HfcpTrainer(HfcpTrainerMixin, Trainer):
 
     def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
                  **kwargs):
+        self._hfcp_cp_size_given = cp_size  # read with the layout, when the parent creates its Accelerator
         super().__init__(*args, **kwargs)
         self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
                              check_inputs=check_inputs))

@@ -1,0 +1,61 @@
+"""One device mesh (issue 21): CP groups from a torch DeviceMesh or any process groups, tensor parallelism x CP,
+FSDP2 over accelerate's ParallelismConfig mesh; 4 gloo processes."""
+import pytest
+
+import workers_tp as W
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Tiny Llama checkpoints for transformers' tensor-parallel loading: 4 heads / 2 KV heads, and 8 / 4."""
+    paths = {}
+    for heads, kv in [(4, 2), (8, 4)]:
+        paths[heads] = str(tmp_path_factory.mktemp(f"llama{heads}"))
+        W.save_tiny_llama(paths[heads], heads, kv)
+    return paths
+
+
+@pytest.mark.parametrize("kind, leaders", [("cp_outer", (0, 1)), ("dp_outer", (0, 2)), ("by_hand", (0, 1))])
+def test_cp_groups_of_any_layout(pool4, kind, leaders):
+    """A (cp, dp) mesh puts ranks {0,2} and {1,3} in one CP group each, hfcp's default layout {0,1} and {2,3}:
+    both exact, with the data-parallel coordinates read from the groups (usp's sub-groups too)."""
+    results = pool4.run(W.mesh_groups_step, kind)
+    expected = [(0, 2), (1, 2), (0, 2), (1, 2)] if leaders == (0, 1) else [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [r["dp"] for r in results] == expected, results
+    for r in results:
+        assert r["leaders"] == leaders and r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, r
+
+
+@pytest.mark.parametrize("strategy, heads", [("ring", 4), ("allgather", 4), ("ulysses", 8)])
+@pytest.mark.parametrize("how", ["device_mesh", "cp_size"])
+def test_tensor_parallel_x_cp(pool4, checkpoints, strategy, heads, how):
+    """tp 2 x cp 2: transformers' TP over {0,1} and {2,3}, hfcp's CP over {0,2} and {1,3} (from mesh['cp'], or built
+    by hfcp across the TP groups from cp_size); each rank's attention computes half the heads; exact."""
+    results = pool4.run(W.tp_x_cp_step, checkpoints[heads], strategy, how)
+    assert [r["cp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]], results
+    for r in results:
+        assert r["dp"] == (0, 1) and r["q_width"] == 16 and r["chunk"] is None, r
+        assert r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, r
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("cp_inside_tp", "shares ranks with the model's tensor-parallel group"),
+    ("chunked_head", "sharded over the vocabulary"),
+    ("cp_size", "cp_size=4 must divide 2 (the world size 4 over the model's tp_size=2)"),
+])
+def test_tensor_parallel_refusals(pool4, checkpoints, kind, message):
+    for r in pool4.run(W.tp_refusals, checkpoints[4], kind):
+        assert r and message in r, r
+
+
+def test_ulysses_heads_per_tensor_parallel_rank(pool4, checkpoints):
+    with pytest.raises(Exception, match="num_attention_heads=2 and num_key_value_heads=1 .* tensor-parallel rank"):
+        pool4.run(W.tp_x_cp_step, checkpoints[4], "ulysses", "cp_size")
+
+
+def test_fsdp2_over_a_parallelism_config_mesh(pool4):
+    """FSDP2 on dp_shard x cp, hfcp on cp, both from ParallelismConfig(dp_shard_size=2, cp_size=2).build_device_mesh:
+    the gradient convention (mean over all ranks) holds."""
+    results = pool4.run(W.parallelism_config_mesh_step)
+    for r in results:
+        assert r["dp"] == (r["mesh_dp"], 2) and r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, r

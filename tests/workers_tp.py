@@ -1,0 +1,140 @@
+"""Tensor parallelism x CP and CP groups given as device meshes (issue 21): 4 gloo processes."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import hfcp
+from workers_model import make_batch, tiny_model
+
+
+def save_tiny_llama(path: str, heads: int = 4, kv_heads: int = 2) -> None:
+    tiny_model("llama", num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32 // heads).save_pretrained(path)
+
+
+def _reference(path: str, batches):
+    """The mean over the batches of one process's loss, its gradients, and each batch's loss."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").float()
+    losses = []
+    for b in batches:
+        loss = ref(**b, use_cache=False).loss
+        (loss / len(batches)).backward()
+        losses.append(loss.item())
+    return ref, losses
+
+
+def _errors(model, ref, loss: float, ref_loss: float) -> dict:
+    grad_err = 0.0
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grad_err = max(grad_err, float((g - r.grad).abs().max() / r.grad.abs().max()))
+    return {"loss_err": abs(loss - ref_loss) / ref_loss, "grad_err": grad_err}
+
+
+def tp_x_cp_step(path: str, strategy: str, how: str):
+    """tp 2 x cp 2 on 4 ranks: transformers shards the model over TP groups {0,1} and {2,3} (DistributedConfig,
+    its dp_replicate dimension {0,2}, {1,3} is the CP one), hfcp runs CP across them. One batch for all four (one
+    data-parallel group); FSDP's replica all-reduce averages the gradients over each CP group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    batch = make_batch(dict(B=2, L=30, packed=True, seed=3))
+    ref, (ref_loss,) = _reference(path, [batch])
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2))
+    if how == "device_mesh":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+        hfcp.patch(model, device_mesh=mesh["cp"], strategy=strategy, timeout=None)
+    else:
+        hfcp.patch(model, cp_size=2, strategy=strategy)
+    state = model._hfcp_state
+    widths = []  # what one rank's attention computes: its TP share of the query heads
+    hook = state.modules[0].q_proj.register_forward_hook(lambda m, a, o: widths.append(o.shape[-1]))
+    out = model(**batch)
+    hook.remove()
+    out.loss.backward()
+    return {**_errors(model, ref, out.loss.item(), ref_loss), "dp": hfcp.data_parallel_rank_and_size(model),
+            "cp_ranks": dist.get_process_group_ranks(state.mesh.cp_group), "q_width": widths[0],
+            "chunk": state.loss_chunk}
+
+
+def tp_refusals(path: str, kind: str):
+    """What hfcp refuses for a tensor-parallel model: a CP group inside the TP group, a chunked loss over a
+    vocabulary-sharded head."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2))
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    try:
+        if kind == "cp_inside_tp":
+            hfcp.patch(model, process_group=groups[dist.get_rank() // 2])
+        elif kind == "chunked_head":
+            hfcp.patch(model, cp_size=2, loss_chunk=8)
+        elif kind == "cp_size":
+            hfcp.patch(model, cp_size=4)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def mesh_groups_step(kind: str):
+    """CP groups that are not hfcp's consecutive blocks, without TP: a (cp, dp) mesh's cp dimension, {0,2} and
+    {1,3}; every rank's data-parallel coordinates and exactness against the mean of the two groups' batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    if kind == "cp_outer":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp"))
+        model = hfcp.patch(tiny_model("llama"), device_mesh=mesh["cp"])
+    elif kind == "dp_outer":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        model = hfcp.patch(tiny_model("llama"), device_mesh=mesh, strategy="usp", ulysses_size=2)
+    else:  # process groups by hand
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        model = hfcp.patch(tiny_model("llama"), process_group=groups[rank % 2], strategy="usp", ulysses_size=1)
+    dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)
+    batches = [make_batch(dict(B=2, L=30, packed=True, seed=5 + d)) for d in range(dp_size)]
+    ref = tiny_model("llama")
+    ref_losses = [ref(**b, use_cache=False).loss for b in batches]
+    out = model(**batches[dp_rank])
+    out.loss.backward()
+    hfcp.average_gradients(model)  # over the CP group: this DP group's gradient
+    grad_err = 0.0
+    ref_losses[dp_rank].backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        grad_err = max(grad_err, float((p.grad - r.grad).abs().max() / r.grad.abs().max()))
+    return {"dp": (dp_rank, dp_size), "loss_err": abs(out.loss.item() - ref_losses[dp_rank].item()),
+            "grad_err": grad_err, "leaders": model._hfcp_state.mesh.data_leaders}
+
+
+def parallelism_config_mesh_step():
+    """accelerate's ParallelismConfig(dp_shard_size=2, cp_size=2) as a mesh in a loop of one's own: FSDP2 over
+    its dp_shard_cp dimension (all four ranks), hfcp over its cp dimension. FSDP averages over all ranks, which is
+    the mean over the two DP groups of their batches' gradients (DESIGN.md "FSDP2 / ZeRO-3")."""
+    from accelerate import ParallelismConfig
+    from torch.distributed.fsdp import fully_shard
+
+    pc = ParallelismConfig(dp_shard_size=2, cp_size=2)
+    mesh = pc.build_device_mesh("cpu")
+    model = tiny_model("llama")
+    hfcp.patch(model, device_mesh=mesh["cp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp_shard_cp"])
+    fully_shard(model, mesh=mesh["dp_shard_cp"])
+    dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)
+    batches = [make_batch(dict(B=2, L=30, packed=True, seed=7 + d)) for d in range(dp_size)]
+    ref = tiny_model("llama")
+    ref_losses = []
+    for b in batches:
+        loss = ref(**b, use_cache=False).loss
+        (loss / len(batches)).backward()
+        ref_losses.append(loss.item())
+    out = model(**batches[dp_rank])
+    out.loss.backward()
+    return {**_errors(model, ref, out.loss.item(), ref_losses[dp_rank]), "dp": (dp_rank, dp_size),
+            "mesh_dp": mesh["dp_shard"].get_local_rank(), "cp_ranks": dist.get_process_group_ranks(mesh["cp"].get_group())}
