@@ -14,3 +14,9 @@ python scripts/finetune_lora.py --full-finetune --max-steps 20 --seq-len 4096 --
 # generation after a long prompt on the GPU (one process; under accelerate launch --multi_gpu --num_processes N the
 # prompt and its KV cache spread over the GPUs), with --check against the unpatched model
 python scripts/generate_long.py --prompt-tokens 32768 --max-new-tokens 32 --width 256 --layers 4 --check --json runs/gpu_generate.json
+# tensor parallelism x CP over NCCL (tp 2 x cp 2) when the machine has four GPUs
+if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 4 ]; then
+  for s in ring ulysses; do torchrun --standalone --nproc-per-node 4 scripts/check_tp_cp.py --strategy "$s"; done
+else
+  echo "gpu_check.sh: fewer than 4 GPUs, the tensor-parallel x CP check (scripts/check_tp_cp.py) is skipped"
+fi

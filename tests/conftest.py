@@ -8,16 +8,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_pool import DistPool  # noqa: E402
 
 
+# non-daemon workers may start processes of their own (DataLoader workers); the teardown closes them
 @pytest.fixture(scope="session")
 def pool2():
-    pool = DistPool(2)
+    pool = DistPool(2, daemon=False)
     yield pool
     pool.close()
 
 
 @pytest.fixture(scope="session")
 def pool4():
-    pool = DistPool(4)
+    pool = DistPool(4, daemon=False)
     yield pool
     pool.close()
 
@@ -25,6 +26,6 @@ def pool4():
 @pytest.fixture(scope="session")
 def pool1():
     """One process with a (world 1) process group: the single-device reference of multi-process runs."""
-    pool = DistPool(1)
+    pool = DistPool(1, daemon=False)
     yield pool
     pool.close()

@@ -126,3 +126,23 @@ def test_comm_volume_from_shapes():
     assert comm_bytes("usp", **shape, ulysses_size=2) < ring  # the ring over 4 groups moves fewer blocks
     with pytest.raises(ValueError, match="strategy='zigzag'"):
         comm_bytes("zigzag", **shape)
+
+
+def test_layout_volume_by_dimension():
+    """hfcp.attention.mesh_volume: each dimension's bytes from its own collective; cp from comm_bytes over the heads
+    of one TP rank; the README's table (Llama-3-8B shape, 128k tokens, 16 GPUs)."""
+    from hfcp.attention.mesh_volume import layout_bytes
+    from hfcp.attention.volume import comm_bytes
+
+    shape = dict(params=8.03e9, layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, seq_len=131072)
+    alone = layout_bytes(**shape)
+    assert alone == {"cp": 0.0, "tp": 0.0, "dp_shard": 0.0, "dp_replicate": 0.0}
+    b = layout_bytes(**shape, dp_shard=2, cp=4, tp=2, strategy="ulysses")
+    assert b["cp"] == 32 * comm_bytes("ulysses", 1, 131072, 16, 4, 128, 4)
+    assert b["tp"] == 32 * 4 * 2 * (1 / 2) * (131072 / 4) * 4096 * 2  # 4 all-reduces of (L/cp, hidden) per layer
+    assert b["dp_shard"] == 3 * (7 / 8) * 8.03e9 / 2 * 2  # FSDP over dp_shard x cp = 8 ranks, half the parameters
+    hsdp = layout_bytes(**shape, dp_replicate=2, dp_shard=2, cp=4, strategy="ulysses")
+    assert hsdp["dp_replicate"] == 2 * (1 / 2) * 8.03e9 * 2 / 8  # a rank's gradient shard, all-reduced over 2
+    assert round(b["tp"] / 2**30, 1) == 32.0 and round(hsdp["dp_replicate"] / 2**30, 1) == 1.9  # README
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        layout_bytes(**shape, tp=3)

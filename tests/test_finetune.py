@@ -29,8 +29,14 @@ def runs(tmp_path_factory):
     assert single.returncode == 0, single.stderr[-3000:]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    cp = _run([*launch, SCRIPT, *COMMON, "--output-dir", str(d / "cp2")])
+    # cp 2 from an accelerate config file that sets FSDP2 and a ParallelismConfig (cp_size 2): accelerate alone would
+    # refuse it on CPU (its ParallelismConfig needs FSDP2, which it enables only on accelerators); HfcpTrainer takes
+    # the cp dimension and hands accelerate none
+    config = str(ROOT / "scripts" / "configs" / "accelerate_fsdp2_cp2.yaml")
+    cp = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, SCRIPT, *COMMON,
+               "--output-dir", str(d / "cp2")])
     assert cp.returncode == 0, cp.stderr[-3000:]
+    assert "dp=1 x cp=2" in cp.stdout, cp.stdout[-2000:]
     resumed = _run([*launch, SCRIPT, *COMMON, "--output-dir", str(d / "resumed"),
                     "--resume-from", str(d / "cp2" / "checkpoint-2")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

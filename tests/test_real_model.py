@@ -20,7 +20,7 @@ def smollm2(tmp_path_factory):
     return str(smollm2_checkpoint.convert(str(tmp_path_factory.mktemp("smollm2"))))
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("strategy", ["ring"])  # the strategies agree on every tiny family; one on the real model
 def test_smollm2_lora_loss_and_grads_exact(pool2, smollm2, strategy):
     results = pool2.run(W.smollm2_equivalence, smollm2, strategy, 300, timeout=600)
     r = results[0]

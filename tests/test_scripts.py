@@ -77,10 +77,10 @@ def _bench_vlm_rows(*args):
     return [row[2].strip() for row in rows], [float(row[8]) for row in rows], r.stdout
 
 
-def test_bench_vlm_runs_and_the_split_keeps_the_loss():
-    towers, losses, out = _bench_vlm_rows("--images", "4", "--cps", "2")  # cp 1 is a plain forward + backward
-    assert towers == ["split over the ranks", "whole on every rank"], out
-    assert max(losses) - min(losses) <= 1e-5 * losses[0], losses
+def test_bench_vlm_images_run_in_one_process():
+    """The images path of the script (one plain process: the tower's split is the video test's and test_vlm's)."""
+    towers, losses, out = _bench_vlm_rows("--images", "4", "--cps", "1")
+    assert towers == ["one process"] and "4 images" in out and losses[0] > 0, out
 
 
 def test_bench_vlm_video_lora_step_keeps_the_loss():

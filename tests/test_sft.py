@@ -72,3 +72,12 @@ def test_sft_vision_dataset_with_trl_collator_cp2_equals_one_process(pool1, pool
             for k in g:
                 assert abs(g[k] - r[k]) <= 2e-5 * max(1.0, abs(r[k])), (k, got, ref)
         assert abs(got["eval_loss"] - ref["eval_loss"]) <= 2e-5 * ref["eval_loss"], (got, ref)
+
+
+def test_sft_with_a_parallelism_config_cp2_equals_one_process(pool2, sft_reference):
+    """SFTConfig(parallelism_config=ParallelismConfig(cp_size=2)): hfcp's CP (TRL would refuse packing with
+    accelerate's torch CP, and hfcp hands accelerate no cp dimension)."""
+    import workers_layout as L
+
+    for got in pool2.run(L.sft_layout_run, 4, dict(cp_size=2)):
+        assert_same(got, sft_reference)

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 import workers_trainer as W
-from dist_pool import DistPool
 
 KEYS = ("loss", "grad_norm", "learning_rate", "num_input_tokens_seen", "eval_loss", "total_flos")
 
@@ -127,15 +126,9 @@ def test_padding_free_collator_is_exact(pool1, pool2):
         assert abs(got["eval_loss"] - ref["eval_loss"]) <= 2e-5 * ref["eval_loss"]
 
 
-def test_random_data_pipeline_with_workers_gives_one_batch_per_cp_group():
-    pools = [DistPool(1, daemon=False), DistPool(2, daemon=False)]  # their workers start DataLoader workers
-    try:
-        ref = pools[0].run(W.cropped_run, 4)[0]
-        results = pools[1].run(W.cropped_run, 4)
-    finally:
-        for pool in pools:
-            pool.close()
-    for got in results:
+def test_random_data_pipeline_with_workers_gives_one_batch_per_cp_group(pool1, pool2):
+    ref = pool1.run(W.cropped_run, 4)[0]  # the session pools' workers may start DataLoader workers (not daemons)
+    for got in pool2.run(W.cropped_run, 4):
         for g, r in zip(got["history"], ref["history"]):
             for k in g:
                 assert abs(g[k] - r[k]) <= 2e-5 * max(1.0, abs(r[k])), (k, g, r)
@@ -216,6 +209,14 @@ def test_parallelism_config_dp_shard2_x_cp2_under_fsdp2(pool4, reference):
         assert got["model_class"] == "FSDPLlamaForCausalLM" and got["handed"] == (4, 1, False), got
         assert got["cp"] == 2
         assert_same_run(got, reference[1])
+
+
+def test_parallelism_config_with_lora_under_fsdp2(pool1, pool4):
+    """The pieces together: LoRA (PEFT), FSDP2 over dp_shard x cp and hfcp's CP, all from one ParallelismConfig."""
+    ref = pool1.run(L.layout_run, 4, None, False, False, True)[0]
+    for got in pool4.run(L.layout_run, 2, dict(dp_shard_size=2, cp_size=2), True, False, True):
+        assert got["model_class"].startswith("FSDPPeftModel") and got["handed"] == (4, 1, False), got["model_class"]
+        assert_same_run(got, ref)
 
 
 @pytest.mark.parametrize("kind, message", [

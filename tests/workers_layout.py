@@ -11,10 +11,11 @@ from workers_model import tiny_model
 LAUNCH_ENV = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"}
 
 
-def layout_run(per_device: int, layout: dict | None, fsdp: bool = False, env: bool = False):
+def layout_run(per_device: int, layout: dict | None, fsdp: bool = False, env: bool = False, lora: bool = False):
     """train_run's 4 steps, evaluation and prediction, with the CP size from a ParallelismConfig (`layout`: its
-    sizes) or from the variables accelerate launch sets for --use_parallelism_config --parallelism_config_cp_size 2;
-    and what accelerate was handed (its parallelism config: torch's CP must stay off)."""
+    sizes) or from the variables accelerate launch sets for --use_parallelism_config --parallelism_config_cp_size 2
+    (layout None, env False: one process, no layout: the reference); and what accelerate was handed (its parallelism
+    config: torch's CP must stay off)."""
     from accelerate import ParallelismConfig
 
     from hfcp.integrations import HfcpTrainer
@@ -31,7 +32,12 @@ def layout_run(per_device: int, layout: dict | None, fsdp: bool = False, env: bo
         os.environ.update(LAUNCH_ENV)
     try:
         with tempfile.TemporaryDirectory() as out:
-            trainer = HfcpTrainer(model=tiny_model("llama"), args=T._args(out, per_device, **overrides),
+            model = tiny_model("llama")
+            if lora:  # LoRA on the attention projections (PEFT), as the job trains
+                from peft import LoraConfig, get_peft_model
+
+                model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+            trainer = HfcpTrainer(model=model, args=T._args(out, per_device, **overrides),
                                   train_dataset=T.Rows(24), eval_dataset=T.Rows(10, seed=1))
             trainer.train()
             metrics = trainer.evaluate()
@@ -90,3 +96,10 @@ def T_UNSET():
     from hfcp.integrations.trainer import UNSET
 
     return UNSET
+
+
+def sft_layout_run(per_device: int, layout: dict):
+    """HfcpSFTTrainer with SFTConfig(parallelism_config=ParallelismConfig(**layout)) and no cp_size of its own."""
+    from accelerate import ParallelismConfig
+
+    return T.sft_run(per_device, None, {"parallelism_config": ParallelismConfig(**layout)})

@@ -1,28 +1,20 @@
 """Tensor parallelism x CP and CP groups given as device meshes (issue 21): 4 gloo processes."""
 from __future__ import annotations
 
-import torch
+import sys
+from pathlib import Path
+
 import torch.distributed as dist
 
 import hfcp
 from workers_model import make_batch, tiny_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import check_tp_cp  # noqa: E402
+
 
 def save_tiny_llama(path: str, heads: int = 4, kv_heads: int = 2) -> None:
-    tiny_model("llama", num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32 // heads).save_pretrained(path)
-
-
-def _reference(path: str, batches):
-    """The mean over the batches of one process's loss, its gradients, and each batch's loss."""
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").float()
-    losses = []
-    for b in batches:
-        loss = ref(**b, use_cache=False).loss
-        (loss / len(batches)).backward()
-        losses.append(loss.item())
-    return ref, losses
+    check_tp_cp.tiny_llama(heads, kv_heads).save_pretrained(path)
 
 
 def _errors(model, ref, loss: float, ref_loss: float) -> dict:
@@ -34,31 +26,11 @@ def _errors(model, ref, loss: float, ref_loss: float) -> dict:
 
 
 def tp_x_cp_step(path: str, strategy: str, how: str):
-    """tp 2 x cp 2 on 4 ranks: transformers shards the model over TP groups {0,1} and {2,3} (DistributedConfig,
-    its dp_replicate dimension {0,2}, {1,3} is the CP one), hfcp runs CP across them. One batch for all four (one
-    data-parallel group); FSDP's replica all-reduce averages the gradients over each CP group."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
-    batch = make_batch(dict(B=2, L=30, packed=True, seed=3))
-    ref, (ref_loss,) = _reference(path, [batch])
-    model = AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="sdpa", distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2))
-    if how == "device_mesh":
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
-        hfcp.patch(model, device_mesh=mesh["cp"], strategy=strategy, timeout=None)
-    else:
-        hfcp.patch(model, cp_size=2, strategy=strategy)
-    state = model._hfcp_state
-    widths = []  # what one rank's attention computes: its TP share of the query heads
-    hook = state.modules[0].q_proj.register_forward_hook(lambda m, a, o: widths.append(o.shape[-1]))
-    out = model(**batch)
-    hook.remove()
-    out.loss.backward()
-    return {**_errors(model, ref, out.loss.item(), ref_loss), "dp": hfcp.data_parallel_rank_and_size(model),
-            "cp_ranks": dist.get_process_group_ranks(state.mesh.cp_group), "q_width": widths[0],
-            "chunk": state.loss_chunk}
+    """tp 2 x cp 2 on 4 ranks (scripts/check_tp_cp.py): transformers shards the model over TP groups {0,1} and {2,3}
+    (DistributedConfig, its dp_replicate dimension {0,2}, {1,3} is the CP one), hfcp runs CP across them. One
+    batch for all four (one data-parallel group); FSDP's replica all-reduce averages the gradients over each CP
+    group."""
+    return check_tp_cp.tp_x_cp_step(path, strategy, how)
 
 
 def tp_refusals(path: str, kind: str):
