@@ -59,3 +59,23 @@ def test_fsdp2_over_a_parallelism_config_mesh(pool4):
     results = pool4.run(W.parallelism_config_mesh_step)
     for r in results:
         assert r["dp"] == (r["mesh_dp"], 2) and r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, r
+
+
+def test_trainer_refuses_a_tensor_parallel_model(pool4, checkpoints):
+    for r in pool4.run(W.trainer_refuses_tp, checkpoints[4]):
+        assert r and "cannot run a tensor-parallel model (tp_size=2)" in r, r
+
+
+def test_tensor_parallel_x_cp_generation(pool4, checkpoints):
+    for r in pool4.run(W.tp_x_cp_generate, checkpoints[4]):
+        assert r == {"same": True, "kv_heads": 1}, r  # 2 KV heads over tp 2
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("no_cp_dimension", "device_mesh has 2 dimensions ('dp', 'sp') and none named 'cp'"),
+    ("not_a_mesh", "device_mesh='cp' must be a torch DeviceMesh"),
+    ("both", "pass either process_group= or device_mesh="),
+])
+def test_device_mesh_refusals(pool2, kind, message):
+    for r in pool2.run(W.device_mesh_refusals, kind):
+        assert r and message in r, r

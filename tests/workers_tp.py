@@ -110,3 +110,57 @@ def parallelism_config_mesh_step():
     out.loss.backward()
     return {**_errors(model, ref, out.loss.item(), ref_losses[dp_rank]), "dp": (dp_rank, dp_size),
             "mesh_dp": mesh["dp_shard"].get_local_rank(), "cp_ranks": dist.get_process_group_ranks(mesh["cp"].get_group())}
+
+
+def trainer_refuses_tp(path: str):
+    """HfcpTrainer with a tensor-parallel model: refused before accelerate is asked for TP (which it would refuse on
+    CPU with a message about its ParallelismConfig, and which is unverified on GPUs)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, TrainingArguments
+    from transformers.distributed import DistributedConfig
+
+    from hfcp.integrations import HfcpTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2))
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            HfcpTrainer(model=model, args=TrainingArguments(output_dir=out, use_cpu=True, report_to=[]), cp_size=2)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def tp_x_cp_generate(path: str):
+    """Greedy generate() of the tp 2 x cp 2 model (the prompt prefilled over the CP group, each rank's cache holding
+    its TP rank's KV heads of its own tokens) against the unpatched model in one process: the tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    ids = torch.randint(3, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    want = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").generate(ids, **kw)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2))
+    hfcp.patch(model, cp_size=2).eval()
+    out = model.generate(ids, return_dict_in_generate=True, **kw)
+    keys = out.past_key_values.keys[0]  # hfcp.kv_cache.ShardedKVCache: (B, KV heads here, tokens here, D)
+    return {"same": bool(torch.equal(out.sequences, want)), "kv_heads": keys.shape[1]}
+
+
+def device_mesh_refusals(kind: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        if kind == "no_cp_dimension":
+            hfcp.patch(tiny_model("llama"), device_mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "sp")))
+        elif kind == "not_a_mesh":
+            hfcp.patch(tiny_model("llama"), device_mesh="cp")
+        elif kind == "both":
+            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+            hfcp.patch(tiny_model("llama"), device_mesh=mesh, process_group=mesh.get_group())
+    except ValueError as e:
+        return str(e)
+    return None

@@ -26,7 +26,7 @@ from transformers import Trainer
 from ..data import data_parallel_rank_and_size
 from ..mesh import as_timedelta
 from ..lm_hooks import DEFAULT_LOSS_CHUNK
-from ..patch import cp_state, gather_sequence, patch
+from ..patch import cp_state, find_pretrained, gather_sequence, patch
 from .parallelism import accelerate_view, describe, handed_to_accelerate, layout_problems, requested_layout
 
 log = logging.getLogger("hfcp")
@@ -121,6 +121,13 @@ class HfcpTrainerMixin:
     def _hfcp_take_layout(self, cp_size) -> None:
         """Before the Accelerator exists: the ParallelismConfig asked for (TrainingArguments or accelerate launch), or
         None; refused when hfcp cannot run it exactly (cp_size: the trainer's own option, UNSET when not given)."""
+        tp = (getattr(find_pretrained(self.model), "tp_size", None) or 1) if self.model is not None else 1
+        if tp > 1:  # transformers would hand accelerate a layout with its TP (before any hfcp check could run)
+            raise ValueError(
+                f"{type(self).__name__} cannot run a tensor-parallel model (tp_size={tp}) exactly: TP x CP is exact in "
+                "a loop of your own (hfcp.patch(model, device_mesh=mesh['cp']), README 'One mesh'), but through the "
+                "Trainer it needs accelerate's TP, which runs only on GPUs and has not been verified; load the model "
+                "without tp_plan / DistributedConfig here")
         self._hfcp_layout = layout = requested_layout(self.args)
         if layout is None:
             return
