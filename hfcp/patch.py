@@ -241,6 +241,12 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             raise ValueError("pass either process_group= or device_mesh= (the CP group), not both")
         process_group = cp_group_of_device_mesh(device_mesh)
     tp_ranks = tensor_parallel_ranks(inner)
+    if tp_ranks is not None and (patcher.mixers or patcher.language_model or patcher.embeddings_classes):
+        what = ("it has recurrent or convolution layers" if patcher.mixers else
+                "a vision-language model" if patcher.language_model else "a vision model")
+        raise ValueError(f"{type(inner).__name__} ({what}) is loaded tensor-parallel (tp_size={len(tp_ranks)}): "
+                         "hfcp's TP x CP is verified for causal LMs whose sequence mixers are all attention; load it "
+                         "without tp_plan / DistributedConfig")
     if tp_ranks is not None and chunk is not None and is_sharded(inner.get_output_embeddings().weight):
         if loss_chunk != "auto":
             raise ValueError(f"loss_chunk={loss_chunk!r}: the output head of this tensor-parallel model is sharded "

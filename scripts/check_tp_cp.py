@@ -40,14 +40,17 @@ def packed_batch(device, seed: int = 3, rows: int = 2, length: int = 30) -> dict
     return {k: v.to(device) for k, v in dict(input_ids=ids, labels=labels, position_ids=pos).items()}
 
 
-def tp_x_cp_step(path: str, strategy: str, how: str, device: str = "cpu") -> dict:
-    """One forward and backward of the tp 2 x cp 2 model; errors against one process, and what hfcp set up."""
+def tp_x_cp_step(path: str, strategy: str, how: str, device: str = "cpu", packed: bool = True) -> dict:
+    """One forward and backward of the tp 2 x cp 2 model; errors against one process, and what hfcp set up.
+    packed False: one document per row (recurrent layers refuse packed rows)."""
     import hfcp
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     batch = packed_batch(device)
+    if not packed:
+        del batch["position_ids"]
     ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").float().to(device)
     ref_loss = ref(**batch, use_cache=False).loss
     ref_loss.backward()

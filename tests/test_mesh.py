@@ -8,10 +8,15 @@ import workers_tp as W
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Tiny Llama checkpoints for transformers' tensor-parallel loading: 4 heads / 2 KV heads, and 8 / 4."""
+    from hfcp.tiny import tiny_model
+
     paths = {}
     for heads, kv in [(4, 2), (8, 4)]:
         paths[heads] = str(tmp_path_factory.mktemp(f"llama{heads}"))
         W.save_tiny_llama(paths[heads], heads, kv)
+    for family in ("mixtral", "qwen3_next"):  # MoE with router logits; a hybrid with gated delta-rule layers
+        paths[family] = str(tmp_path_factory.mktemp(family))
+        tiny_model(family).save_pretrained(paths[family])
     return paths
 
 
@@ -46,6 +51,17 @@ def test_tensor_parallel_x_cp(pool4, checkpoints, strategy, heads, how):
 def test_tensor_parallel_refusals(pool4, checkpoints, kind, message):
     for r in pool4.run(W.tp_refusals, checkpoints[4], kind):
         assert r and message in r, r
+
+
+def test_tensor_parallel_x_cp_moe(pool4, checkpoints):
+    """Mixtral (experts and router under transformers' TP plan): exact."""
+    for r in pool4.run(W.tp_x_cp_step, checkpoints["mixtral"], "ring", "cp_size"):
+        assert r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, r
+
+
+def test_tensor_parallel_hybrid_is_refused(pool4, checkpoints):
+    for r in pool4.run(W.tp_refusals, checkpoints["qwen3_next"], "cp2"):
+        assert r and "(it has recurrent or convolution layers) is loaded tensor-parallel" in r, r
 
 
 def test_ulysses_heads_per_tensor_parallel_rank(pool4, checkpoints):

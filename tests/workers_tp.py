@@ -35,7 +35,7 @@ def tp_x_cp_step(path: str, strategy: str, how: str):
 
 def tp_refusals(path: str, kind: str):
     """What hfcp refuses for a tensor-parallel model: a CP group inside the TP group, a chunked loss over a
-    vocabulary-sharded head."""
+    vocabulary-sharded head, a cp_size that does not fit beside TP, a hybrid's recurrent layers (kind cp2)."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -49,6 +49,8 @@ def tp_refusals(path: str, kind: str):
             hfcp.patch(model, cp_size=2, loss_chunk=8)
         elif kind == "cp_size":
             hfcp.patch(model, cp_size=4)
+        elif kind == "cp2":
+            hfcp.patch(model, cp_size=2)
     except ValueError as e:
         return str(e)
     return None
