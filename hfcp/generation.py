@@ -1,9 +1,10 @@
-"""Generation on a patched causal LM (issue 20): which forwards are a prompt's prefill or a decode step, and their
-inputs. The cache and its decode attention: hfcp/kv_cache.py, hfcp/attention/decode.py.
+"""Generation on a patched causal LM or vision-language model (issue 20): which forwards are a prompt's prefill or
+a decode step, and their inputs. The cache and its decode attention: hfcp/kv_cache.py, hfcp/attention/decode.py.
 
 A forward with a cache (transformers' `generate()` passes an empty DynamicCache first, then the cache the model
 returned) or `use_cache=True` runs with a ShardedKVCache: the first forward is the prompt's prefill, sharded over
-the CP group like a training forward; each later one a decode step, whose few new tokens every rank runs alike.
+the CP group like a training forward (a VLM's merged sequence at its language model's input); each later one a
+decode step, whose few new tokens every rank runs alike.
 """
 from __future__ import annotations
 
@@ -25,9 +26,13 @@ def generation_cache(state, module, kw: dict, shards: bool) -> ShardedKVCache | 
     given = kw.get(names[0]) if names else None
     if given is None and not kw.get("use_cache"):
         return None
-    if state.head != "causal_lm" or not shards:
+    if state.head != "causal_lm":
         raise ValueError(f"a KV cache (use_cache=True, a cache, generate()) on a patched {type(module).__name__}: hfcp "
-                         "generates with causal LMs only (not yet vision-language models); call hfcp.unpatch(model)")
+                         "generates with causal LMs and vision-language models only; call hfcp.unpatch(model)")
+    if state.patcher.language_model and kw.get("token_type_ids") is not None:
+        raise ValueError(f"generate() with token_type_ids on a patched {type(module).__name__}: its image or prefix "
+                         "blocks attend bidirectionally through a mask the model builds over the cache, which hfcp's "
+                         "cache does not build; call hfcp.unpatch(model) to generate")
     if state.patcher.mixers:
         raise ValueError(f"a KV cache (use_cache=True, a cache, generate()) on a patched {type(module).__name__}: its "
                          "recurrent layers do not carry their states into decode steps under hfcp yet; call "

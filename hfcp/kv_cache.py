@@ -129,7 +129,9 @@ class ShardedKVCache(Cache):
         return -1
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        raise RuntimeError("hfcp: a mask built over a ShardedKVCache: hfcp's attention builds its masks itself")
+        raise ValueError("hfcp: the model builds a mask of its own over hfcp's ShardedKVCache (such as a "
+                         "vision-language model's bidirectional image blocks); hfcp generates only where its "
+                         "attention builds the masks itself: call hfcp.unpatch(model) to generate")
 
     # transformers' generate reads these per layer (all([]) would be True: "every layer linear", and it would then
     # feed the whole sequence again when a generation continues from this cache)

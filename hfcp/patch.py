@@ -319,6 +319,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         for module, hook in state.hooks:
             add_hook_to_module(module, hook, append=True)
         state.outer_forward = vlm_hooks.clear_layout_after(inner, state)
+        if hasattr(inner, "generate"):
+            generation.wrap_generate(inner, mesh.cp_group)
         if patcher.vision_tower:  # each rank encodes its share of the images
             tower = inner.get_submodule(patcher.vision_tower)
             state.hooks.append((tower, VisionTowerSplitHook(state, splits_frames(getattr(tower, "config", None)))))

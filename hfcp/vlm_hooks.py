@@ -59,6 +59,8 @@ class LanguageModelHook(ModelHook):
 
     def pre_forward(self, module, *args, **kwargs):
         st = self.state
+        if st.fwd.decoding:  # a decode step: its new tokens run whole on every rank (the outer hook prepared it)
+            return args, kwargs
         layout, st.fwd.pending_layout = st.fwd.pending_layout, None
         if layout is None:
             raise RuntimeError(f"{type(module).__name__} is the language model of a hfcp-patched vision-language model: "
@@ -82,8 +84,10 @@ class LanguageModelHook(ModelHook):
         check_side_inputs(module, kw, pairs, embeds.shape[:2])
         shard_inputs(st, kw, layout, outer_masks)
         shard_side_inputs(kw, pairs, st.step)
+        if st.fwd.cache is not None:  # the prompt's prefill: each rank keeps its tokens' keys and values
+            st.fwd.cache.begin_prefill(st.step)
         if "use_cache" in inspect.signature(module._old_forward).parameters:
-            kw["use_cache"] = False
+            kw["use_cache"] = st.fwd.cache is not None
         return (), kw
 
 

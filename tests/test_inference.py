@@ -87,8 +87,30 @@ def test_generation_hfcp_cannot_do_is_refused_on_every_rank(pool2, case, message
         assert message in msg, msg
 
 
-@pytest.mark.parametrize("kind, message", [("qwen2_vl", "not yet vision-language models"),
-                                           ("qwen3_next", "recurrent layers do not carry their states")])
+@pytest.mark.parametrize("kind, message", [("qwen3_next", "recurrent layers do not carry their states")])
 def test_generation_of_models_hfcp_does_not_generate_with_is_refused(pool2, kind, message):
     for msg in pool2.run(W.refused_generation, kind):
         assert message in msg, msg
+
+
+# ---- vision-language models ------------------------------------------------------------------------------------
+import workers_vlm_generate as G  # noqa: E402
+
+
+@pytest.mark.parametrize("kind, case", [("llava", "one_image"), ("qwen2_vl", "two_images"), ("qwen2_vl", "video"),
+                                        ("qwen3_vl", "one_image"), ("internvl", "one_image"),
+                                        ("idefics3", "one_image"), ("llava", "left_padding"), ("qwen2_vl", "text_only")])
+def test_vlm_greedy_generation_equals_the_unpatched_model(pool2, kind, case):
+    """The merged prompt (image or video features scattered in) prefilled over the CP group with the tower split,
+    mRoPE positions continued from the rope index (Qwen-VL), deepstack side inputs (Qwen3-VL): the same tokens,
+    each rank caching its half of the prompt."""
+    for r in pool2.run(G.vlm_generated, kind, case):
+        assert r["same"] and r["new"] == 6, r
+        assert r["here"] <= (40 + 1) // 2 + 3, r  # about half the 40-token prompt, plus its share of new tokens
+        assert r["columns"] == 40 + 5, r  # the last chosen token is not run
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "paligemma"])
+def test_vlm_generation_with_bidirectional_blocks_is_refused(pool2, kind):
+    for msg in pool2.run(G.vlm_refused, kind, "one_image"):
+        assert "generate() with token_type_ids" in msg, msg
