@@ -4,7 +4,7 @@ Ranks of one CP group share a batch; under tensor parallelism the ranks of one T
 group is a CP group times a TP group. hfcp's own groups (`cp_size`) put cp inside dp and outside tp, in the rank
 order of accelerate's ParallelismConfig and transformers' DistributedConfig: rank = (d * cp + c) * tp + t. A group
 given by the caller (`process_group`, `device_mesh`) may be any set of ranks: the data-parallel coordinates are then
-read from every rank's groups, in one all-gather over the world at patch time.
+read from every rank's groups in one all-gather over the world at patch time (every rank of the world calls patch).
 """
 from __future__ import annotations
 
@@ -66,8 +66,21 @@ def world_size() -> int:
     return 1
 
 
-def cp_group_of_device_mesh(device_mesh):
-    """The process group of a DeviceMesh's CP dimension: a 1-D mesh, or the dimension named "cp" of a larger one."""
+OTHER_DIMENSIONS = ("dp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp", "fsdp", "tp", "pp", "ep", "sp")
+
+
+def cp_group_of_device_mesh(device_mesh) -> dist.ProcessGroup:
+    """The process group of a DeviceMesh's CP dimension.
+
+    Args:
+        device_mesh: a 1-D torch DeviceMesh (unnamed, or named other than a data, tensor, pipeline, expert or
+            sequence dimension), or a larger one with a dimension named "cp".
+    Returns:
+        The CP dimension's process group (this rank's).
+    Raises:
+        ValueError: not a DeviceMesh; a larger mesh without a "cp" dimension; a 1-D mesh named as another dimension
+            (mesh["dp"] passed for mesh["cp"]).
+    """
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(device_mesh, DeviceMesh):
@@ -79,7 +92,17 @@ def cp_group_of_device_mesh(device_mesh):
             raise ValueError(f"device_mesh has {device_mesh.ndim} dimensions {names} and none named 'cp': pass the "
                              "CP dimension, device_mesh=mesh['<name>']")
         device_mesh = device_mesh["cp"]
+    elif names and names[0] in OTHER_DIMENSIONS:
+        raise ValueError(f"device_mesh is the mesh's {names[0]!r} dimension, not its CP one: pass mesh['cp']")
     return device_mesh.get_group()
+
+
+def tp_ranks_of_device_mesh(device_mesh) -> list[int] | None:
+    """The global ranks of this rank's "tp" dimension of a larger DeviceMesh, or None (1-D, no "tp", or tp of 1)."""
+    names = device_mesh.mesh_dim_names or ()
+    if device_mesh.ndim < 2 or "tp" not in names or device_mesh["tp"].size() == 1:
+        return None
+    return dist.get_process_group_ranks(device_mesh["tp"].get_group())
 
 
 def build_mesh(cp_size: int | None, process_group=None, timeout=None, tp_ranks: list[int] | None = None) -> Mesh | None:
@@ -100,7 +123,7 @@ def build_mesh(cp_size: int | None, process_group=None, timeout=None, tp_ranks: 
     if process_group is not None:
         return _given_group(process_group, cp_size, td, tp_ranks)
     world = world_size()
-    if tp > 1 and (world % tp or tp_ranks != _block(dist.get_rank() // tp, tp)):
+    if tp > 1 and (world % tp or tp_ranks != consecutive_block(dist.get_rank() // tp, tp)):
         raise ValueError(f"the model's tensor-parallel group has ranks {tp_ranks}: hfcp builds its CP groups outside "
                          "TP groups of consecutive ranks (as accelerate and transformers lay them out); pass "
                          "device_mesh=mesh['cp'] (or process_group=) for another layout")
@@ -129,13 +152,15 @@ def build_mesh(cp_size: int | None, process_group=None, timeout=None, tp_ranks: 
     return Mesh(mine, cp_size, c, len(leaders), d, groups, leaders)
 
 
-def _block(index: int, size: int) -> list[int]:
+def consecutive_block(index: int, size: int) -> list[int]:
+    """The ranks [index * size, (index + 1) * size): the index-th group of hfcp's own layout."""
     return list(range(index * size, (index + 1) * size))
 
 
 def _given_group(process_group, cp_size, td, tp_ranks) -> Mesh | None:
-    """A CP group the caller made: every rank's groups are gathered over the world first (every rank of the world
-    calls patch), so that a group refused on one rank is refused on all of them, none left waiting."""
+    """A CP group the caller made: compared with every rank's in one all-gather over the world (every rank of the world
+    calls patch, as every rank called new_group), and refused on every rank when one rank's group is wrong or they
+    disagree, so none is left waiting."""
     # new_group gives non-members a placeholder, not the group: hfcp cannot see its ranks then
     member = process_group is not dist.GroupMember.NON_GROUP_MEMBER
     ranks = dist.get_process_group_ranks(process_group) if member else []
@@ -154,30 +179,46 @@ def _given_group(process_group, cp_size, td, tp_ranks) -> Mesh | None:
                    "group must be orthogonal to TP (mesh['cp'] of a mesh with both 'cp' and 'tp' dimensions)")
     every = [None] * world
     dist.all_gather_object(every, (problem, tuple(ranks), tuple(tp_ranks or [me])))
-    problems = {p for p, _, _ in every if p is not None}
-    if problems:
-        raise ValueError(problem if problem is not None else f"another rank refused its process_group: {problems.pop()}")
-    sizes = {len(cp) for _, cp, _ in every}
-    if len(sizes) > 1:
-        raise ValueError(f"the ranks pass CP groups of different sizes {sorted(sizes)}: give every rank one of the "
-                         "same size")
-    if len(ranks) == 1:
-        return None
-    return _coordinates(process_group, [(cp, tps) for _, cp, tps in every])
+    refused = [(r, p) for r, (p, _, _) in enumerate(every) if p is not None]
+    if refused:
+        raise ValueError(problem if problem is not None else f"rank {refused[0][0]} refused its process_group: "
+                         f"{refused[0][1]}")
+    return _coordinates(process_group, [(cp, tp) for _, cp, tp in every])
 
 
-def _coordinates(process_group, every: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> Mesh:
-    """Every rank's (CP ranks, TP ranks): the data-parallel groups are their unions (CP group x TP group)."""
+def _coordinates(process_group, every: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> Mesh | None:
+    """Every rank's (CP ranks, TP ranks), the same list on every rank: checked (so refused on every rank alike), then
+    the data-parallel groups are their unions (a CP group times a TP group)."""
     me, world = dist.get_rank(), dist.get_world_size()
     cp_ranks = list(every[me][0])
     cps = sorted({cp for cp, _ in every})
-    data = [{x for c in cp for x in every[c][1]} | set(tps) for cp, tps in every]  # each rank's data group
+    tps = sorted({tp for _, tp in every})
+    disagree = [(r, c) for r, (cp, _) in enumerate(every) for c in cp if every[c][0] != cp]
+    if disagree:
+        r, c = disagree[0]
+        raise ValueError(f"rank {r} passes the CP group {list(every[r][0])} and its member rank {c} passes "
+                         f"{list(every[c][0])}: every rank of a CP group must pass that same group")
+    if len({len(cp) for cp in cps}) > 1:
+        raise ValueError(f"the ranks pass CP groups of different sizes ({cps}): give every rank one of the same size")
+    misaligned = [tp for tp in tps if len({every[t][0].index(t) for t in tp}) > 1]
+    if misaligned:
+        raise ValueError(f"the ranks of the tensor-parallel group {list(misaligned[0])} hold different CP ranks in "
+                         f"the CP groups {cps}: they would compute different tokens; build the CP groups over one "
+                         "mesh with both dimensions (mesh['cp'])")
+    mixed = [cp for cp in cps if len({every[c][1].index(c) for c in cp}) > 1]
+    if mixed:
+        raise ValueError(f"the ranks of the CP group {list(mixed[0])} hold different tensor-parallel shards (TP groups "
+                         f"{tps}): their attention would exchange keys and values of different heads; build the CP "
+                         "groups over one mesh with both dimensions (mesh['cp'])")
+    data = [{x for c in cp for x in every[c][1]} | set(tp) for cp, tp in every]  # each rank's data group
     groups = sorted({tuple(sorted(g)) for g in data})
     covered = sorted(x for g in groups for x in g)
-    if covered != list(range(world)) or any(len(g) != len(groups[0]) for g in groups):
-        raise ValueError(f"the CP groups {cps} with the TP groups {sorted({tps for _, tps in every})} do not split "
-                         "the world into equal data-parallel groups: give every rank a CP group of the same size, "
-                         "each orthogonal to TP")
+    want = len(cps[0]) * len(tps[0])
+    if covered != list(range(world)) or any(len(g) != want for g in groups):
+        raise ValueError(f"the CP groups {cps} with the TP groups {tps} do not split the world into data-parallel "
+                         f"groups of cp x tp = {want} ranks: build both over one mesh")
+    if len(cp_ranks) == 1:
+        return None
     mine = next(i for i, g in enumerate(groups) if me in g)
     log.info("hfcp: CP group %s, data-parallel group %d of %d", cp_ranks, mine, len(groups))
     return Mesh(process_group, len(cp_ranks), cp_ranks.index(me), len(groups), mine, tuple(cps),

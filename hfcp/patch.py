@@ -22,7 +22,7 @@ from .vlm_hooks import LanguageModelHook, find_language_model, module_with_confi
 from .linear_ce import IDENTITY, LogitTransform
 from .forward_data import ForwardData
 from .layout import StepBatch
-from .mesh import Mesh, as_timedelta, build_mesh, cp_group_of_device_mesh
+from .mesh import Mesh, as_timedelta, build_mesh, cp_group_of_device_mesh, tp_ranks_of_device_mesh
 from .registry import REGISTRY, Patcher, UnsupportedModelError
 from .router_loss import RouterStatsHook
 from .tensor_parallel import is_sharded, tensor_parallel_ranks
@@ -194,7 +194,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         model: a transformers PreTrainedModel, PEFT-wrapped or not, optionally inside DDP.
         cp_size: ranks per CP group (None: the whole world, or the size of `process_group`).
         strategy: "ring", "allgather", "ulysses" or "usp" (Ulysses inside groups of `ulysses_size` consecutive
-            ranks, ring across them).
+            ranks of the CP group, ring across them).
         process_group: an existing group to use as the CP group: any set of ranks (with groups that are not
             hfcp's own consecutive blocks, every rank of the world must call patch: their data-parallel
             coordinates are read in one all-gather).
@@ -217,8 +217,9 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     Raises:
         UnsupportedModelError: no patcher for config.model_type, or an unsupported head.
         ValueError: unknown strategy, bad cp_size / timeout / check_inputs / loss_chunk, ulysses with indivisible
-            heads, a process_group without this rank, a CP group inside the TP group, already patched with other
-            settings.
+            heads, a process_group without this rank, groups the ranks disagree on, a device_mesh without a CP
+            dimension, a CP group inside the TP group, a tensor-parallel model with recurrent layers, a VLM or a
+            vision model, pipeline stages, already patched with other settings.
     """
     if loss_chunk not in (None, "auto") and (not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool) or loss_chunk < 1):
         raise ValueError(f"loss_chunk={loss_chunk!r} must be a positive number of tokens, 'auto' or None")
@@ -241,6 +242,11 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             raise ValueError("pass either process_group= or device_mesh= (the CP group), not both")
         process_group = cp_group_of_device_mesh(device_mesh)
     tp_ranks = tensor_parallel_ranks(inner)
+    mesh_tp = tp_ranks_of_device_mesh(device_mesh) if device_mesh is not None else None
+    if mesh_tp is not None and mesh_tp != tp_ranks:  # TP that hfcp cannot read (torch's parallelize_module), or another
+        raise ValueError(f"device_mesh has a 'tp' dimension over ranks {mesh_tp}, but {type(inner).__name__}'s "
+                         f"tensor-parallel group is {tp_ranks or 'none (transformers records no tp_size)'}: hfcp reads "
+                         "TP from transformers (tp_plan / DistributedConfig); load the model with it over that mesh")
     if tp_ranks is not None and (patcher.mixers or patcher.language_model or patcher.embeddings_classes):
         what = ("it has recurrent or convolution layers" if patcher.mixers else
                 "a vision-language model" if patcher.language_model else "a vision model")

@@ -40,9 +40,11 @@ def packed_batch(device, seed: int = 3, rows: int = 2, length: int = 30) -> dict
     return {k: v.to(device) for k, v in dict(input_ids=ids, labels=labels, position_ids=pos).items()}
 
 
-def tp_x_cp_step(path: str, strategy: str, how: str, device: str = "cpu", packed: bool = True) -> dict:
+def tp_x_cp_step(path: str, strategy: str, how: str, device: str = "cpu", packed: bool = True,
+                 average: bool = False) -> dict:
     """One forward and backward of the tp 2 x cp 2 model; errors against one process, and what hfcp set up.
-    packed False: one document per row (recurrent layers refuse packed rows)."""
+    packed False: one document per row (recurrent layers refuse packed rows). average: hfcp.average_gradients after
+    the backward (the replica all-reduce averaged already: the mean of equal gradients must leave them as they are)."""
     import hfcp
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
@@ -67,6 +69,8 @@ def tp_x_cp_step(path: str, strategy: str, how: str, device: str = "cpu", packed
     out = model(**batch)
     hook.remove()
     out.loss.backward()
+    if average:
+        hfcp.average_gradients(model)  # DTensor gradients: their local shards over the CP group
     grad_err = 0.0
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad

@@ -274,7 +274,8 @@ def main(argv=None):
         save_steps=args.save_every or args.max_steps, seed=args.seed, data_seed=args.seed, report_to=[],
         use_cpu=not torch.cuda.is_available(), dataloader_drop_last=False, ddp_find_unused_parameters=False,
     )
-    trainer = HfcpTrainer(model=model, args=training, train_dataset=dataset, data_collator=collate, cp_size=args.cp_size,
+    given = {"cp_size": args.cp_size} if args.cp_size else {}  # else the whole world, or an accelerate layout's cp
+    trainer = HfcpTrainer(model=model, args=training, train_dataset=dataset, data_collator=collate, **given,
                           strategy=args.strategy, loss_chunk=args.loss_chunk or None)
     acc, device = trainer.accelerator, trainer.args.device
     dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)

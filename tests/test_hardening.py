@@ -95,7 +95,7 @@ def test_gather_of_the_latest_output_still_works(pool2):
 
 @pytest.mark.parametrize("kind, message", [
     ("check_inputs_str", "check_inputs='no' must be True or False"),
-    ("group_without_me", "which do not include rank 1"),
+    ("group_without_me", "which do not include rank 1"),  # refused on rank 0 too: it hears of it in the all-gather
     ("timeout_inf", "timeout=inf must be a positive, finite number"),
     ("timeout_zero", "timeout=datetime.timedelta(0) must be a positive"),
     ("timeout_negative", "timeout=-3 must be a positive"),
@@ -103,9 +103,6 @@ def test_gather_of_the_latest_output_still_works(pool2):
 ])
 def test_bad_patch_arguments(pool2, kind, message):
     results = pool2.run(W.patch_misuse, kind)
-    if kind == "group_without_me":  # rank 0's group is valid (cp 1), rank 1's not: refused on both, none waits
-        assert results[0] and "another rank refused its process_group" in results[0], results
-        results = results[1:]
     for msg in results:
         assert msg and message in msg, msg
 

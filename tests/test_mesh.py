@@ -43,8 +43,16 @@ def test_tensor_parallel_x_cp(pool4, checkpoints, strategy, heads, how):
         assert r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, r
 
 
+def test_average_gradients_of_a_tensor_parallel_model(pool4, checkpoints):
+    """hfcp.average_gradients on DTensor gradients (an all-reduce of the DTensor itself raised): their local shards,
+    averaged over the CP group, still the one-process gradients."""
+    for r in pool4.run(W.tp_x_cp_step, checkpoints[4], "ring", "cp_size", True):
+        assert r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, r
+
+
 @pytest.mark.parametrize("kind, message", [
     ("cp_inside_tp", "shares ranks with the model's tensor-parallel group"),
+    ("cp_mixes_tp_shards", "hold different tensor-parallel shards"),
     ("chunked_head", "sharded over the vocabulary"),
     ("cp_size", "cp_size=4 must divide 2 (the world size 4 over the model's tp_size=2)"),
 ])
@@ -91,7 +99,13 @@ def test_tensor_parallel_x_cp_generation(pool4, checkpoints):
     ("no_cp_dimension", "device_mesh has 2 dimensions ('dp', 'sp') and none named 'cp'"),
     ("not_a_mesh", "device_mesh='cp' must be a torch DeviceMesh"),
     ("both", "pass either process_group= or device_mesh="),
+    ("tp_not_read", "device_mesh has a 'tp' dimension over ranks [0, 1]"),
+    ("dp_dimension", "device_mesh is the mesh's 'dp' dimension, not its CP one"),
 ])
 def test_device_mesh_refusals(pool2, kind, message):
     for r in pool2.run(W.device_mesh_refusals, kind):
         assert r and message in r, r
+
+
+def test_unpatched_tensor_parallel_model_shards_data_by_tp_group(pool4, checkpoints):
+    assert pool4.run(W.unpatched_tp_coordinates, checkpoints[4]) == [(0, 2), (0, 2), (1, 2), (1, 2)]

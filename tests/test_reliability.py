@@ -74,14 +74,15 @@ def test_user_process_group_gives_data_parallel_coordinates(pool4):
     assert pool4.run(W.user_process_group, "ok") == [(0, 2), (0, 2), (1, 2), (1, 2)]
 
 
-@pytest.mark.parametrize("kind, message", [("timeout", "create your process_group with"),
-                                           ("mixed_sizes", "CP groups of different sizes [1, 2]"),
-                                           ("other_rank_refused", "which do not include rank 3")])
+@pytest.mark.parametrize("kind, message", [
+    ("timeout", "create your process_group with"),
+    ("members_disagree", "rank 0 passes the CP group [0, 2] and its member rank 2 passes [1, 2]"),
+])
 def test_user_process_group_errors(pool4, kind, message):
-    """Refused on every rank (the groups are compared in one all-gather at patch time), so none is left waiting."""
-    results = pool4.run(W.user_process_group, kind)
-    assert all(r and (message in r or "another rank refused its process_group" in r) for r in results), results
-    assert any(message in r for r in results), results
+    """Refused on every rank (groups that are not consecutive blocks are compared in one all-gather at patch time),
+    so none is left waiting."""
+    for r in pool4.run(W.user_process_group, kind):
+        assert r and message in r, r
 
 
 def test_failed_forward_does_not_leave_the_head_swapped(pool2):

@@ -6,12 +6,14 @@ import os
 import tempfile
 
 import workers_trainer as T
+from hfcp.integrations.parallelism import UNSET
 from workers_model import tiny_model
 
 LAUNCH_ENV = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"}
 
 
-def layout_run(per_device: int, layout: dict | None, fsdp: bool = False, env: bool = False, lora: bool = False):
+def layout_run(per_device: int, layout: dict | None, fsdp: bool = False, env: bool = False, lora: bool = False,
+               prepatched: bool = False, cp_size=UNSET):
     """train_run's 4 steps, evaluation and prediction, with the CP size from a ParallelismConfig (`layout`: its
     sizes) or from the variables accelerate launch sets for --use_parallelism_config --parallelism_config_cp_size 2
     (layout None, env False: one process, no layout: the reference); and what accelerate was handed (its parallelism
@@ -37,8 +39,12 @@ def layout_run(per_device: int, layout: dict | None, fsdp: bool = False, env: bo
                 from peft import LoraConfig, get_peft_model
 
                 model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+            if prepatched:  # patched by the user, hfcp's default groups (the whole world)
+                import hfcp
+
+                hfcp.patch(model)
             trainer = HfcpTrainer(model=model, args=T._args(out, per_device, **overrides),
-                                  train_dataset=T.Rows(24), eval_dataset=T.Rows(10, seed=1))
+                                  train_dataset=T.Rows(24), eval_dataset=T.Rows(10, seed=1), cp_size=cp_size)
             trainer.train()
             metrics = trainer.evaluate()
             pred = trainer.predict(T.Rows(5, seed=2))
@@ -81,21 +87,19 @@ def layout_refused(kind: str):
     from hfcp.integrations import HfcpTrainer
 
     T._reset_accelerate()
+    from accelerate.utils import TorchContextParallelConfig
+
+    alltoall = dict(cp_size=2, cp_handler=TorchContextParallelConfig(cp_comm_strategy="alltoall"))
     layouts = {"conflict": dict(cp_size=2), "sp": dict(sp_size=2), "size": dict(cp_size=4), "tp": dict(tp_size=2),
-               "dp_shard_on_cpu": dict(dp_shard_size=2)}
+               "dp_shard_on_cpu": dict(dp_shard_size=2), "alltoall": alltoall, "alltoall_ulysses": alltoall}
+    given = {"conflict": {"cp_size": 1}, "alltoall_ulysses": {"strategy": "ulysses"}}.get(kind, {})
     with tempfile.TemporaryDirectory() as out:
         args = T._args(out, 2, parallelism_config=ParallelismConfig(**layouts[kind]))
         try:
-            HfcpTrainer(model=tiny_model("llama"), args=args, cp_size=1 if kind == "conflict" else T_UNSET())
+            HfcpTrainer(model=tiny_model("llama"), args=args, **given)
         except ValueError as e:
             return str(e)
     return None
-
-
-def T_UNSET():
-    from hfcp.integrations.trainer import UNSET
-
-    return UNSET
 
 
 def sft_layout_run(per_device: int, layout: dict):

@@ -125,15 +125,13 @@ def deepcopy_refused():
 def user_process_group(kind: str):
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = [dist.new_group(list(range(d * 2, d * 2 + 2))) for d in range(world // 2)]
-    singles = [dist.new_group([r]) for r in range(world)] if kind == "mixed_sizes" else None
+    strided = [dist.new_group(r) for r in ([0, 2], [1, 3], [1, 2], [0, 3])] if kind == "members_disagree" else None
     mine = groups[rank // 2]
     try:
         if kind == "timeout":
             hfcp.patch(tiny_model("llama"), process_group=mine, timeout=5)
-        elif kind == "mixed_sizes":  # ranks 0, 1 in one CP group, ranks 2 and 3 alone: refused on all four
-            hfcp.patch(tiny_model("llama"), process_group=mine if rank < 2 else singles[rank])
-        elif kind == "other_rank_refused":  # rank 3 passes a group without itself: all raise
-            hfcp.patch(tiny_model("llama"), process_group=mine if rank != 3 else groups[0])
+        elif kind == "members_disagree":  # rank 0 passes {0,2}, but rank 2 passes {1,2}: refused on all four
+            hfcp.patch(tiny_model("llama"), process_group=strided[rank])
         else:
             model = hfcp.patch(tiny_model("llama"), process_group=mine)
             return hfcp.data_parallel_rank_and_size(model)

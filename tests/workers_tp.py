@@ -25,26 +25,29 @@ def _errors(model, ref, loss: float, ref_loss: float) -> dict:
     return {"loss_err": abs(loss - ref_loss) / ref_loss, "grad_err": grad_err}
 
 
-def tp_x_cp_step(path: str, strategy: str, how: str):
+def tp_x_cp_step(path: str, strategy: str, how: str, average: bool = False):
     """tp 2 x cp 2 on 4 ranks (scripts/check_tp_cp.py): transformers shards the model over TP groups {0,1} and {2,3}
     (DistributedConfig, its dp_replicate dimension {0,2}, {1,3} is the CP one), hfcp runs CP across them. One
     batch for all four (one data-parallel group); FSDP's replica all-reduce averages the gradients over each CP
     group."""
-    return check_tp_cp.tp_x_cp_step(path, strategy, how)
+    return check_tp_cp.tp_x_cp_step(path, strategy, how, average=average)
 
 
 def tp_refusals(path: str, kind: str):
-    """What hfcp refuses for a tensor-parallel model: a CP group inside the TP group, a chunked loss over a
-    vocabulary-sharded head, a cp_size that does not fit beside TP, a hybrid's recurrent layers (kind cp2)."""
+    """What hfcp refuses for a tensor-parallel model: a CP group inside the TP group or mixing TP shards, a chunked
+    loss over a vocabulary-sharded head, a cp_size that does not fit beside TP, a hybrid's recurrent layers (cp2)."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     model = AutoModelForCausalLM.from_pretrained(
         path, attn_implementation="sdpa", distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2))
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]  # CP groups holding TP shards 0 and 1 of their heads
     try:
         if kind == "cp_inside_tp":
             hfcp.patch(model, process_group=groups[dist.get_rank() // 2])
+        elif kind == "cp_mixes_tp_shards":  # ranks 0, 3 in one CP group, 1, 2 in the other: each TP group aligned
+            hfcp.patch(model, process_group=crossed[dist.get_rank() in (1, 2)])
         elif kind == "chunked_head":
             hfcp.patch(model, cp_size=2, loss_chunk=8)
         elif kind == "cp_size":
@@ -67,10 +70,10 @@ def mesh_groups_step(kind: str):
         model = hfcp.patch(tiny_model("llama"), device_mesh=mesh["cp"])
     elif kind == "dp_outer":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-        model = hfcp.patch(tiny_model("llama"), device_mesh=mesh, strategy="usp", ulysses_size=2)
-    else:  # process groups by hand
+        model = hfcp.patch(tiny_model("llama"), device_mesh=mesh, strategy="usp", ulysses_size=1)
+    else:  # process groups by hand, strided: usp's Ulysses sub-group of 2 is the strided pair
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        model = hfcp.patch(tiny_model("llama"), process_group=groups[rank % 2], strategy="usp", ulysses_size=1)
+        model = hfcp.patch(tiny_model("llama"), process_group=groups[rank % 2], strategy="usp", ulysses_size=2)
     dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)
     batches = [make_batch(dict(B=2, L=30, packed=True, seed=5 + d)) for d in range(dp_size)]
     ref = tiny_model("llama")
@@ -160,9 +163,25 @@ def device_mesh_refusals(kind: str):
             hfcp.patch(tiny_model("llama"), device_mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "sp")))
         elif kind == "not_a_mesh":
             hfcp.patch(tiny_model("llama"), device_mesh="cp")
+        elif kind == "tp_not_read":  # a (cp, tp) mesh whose tp the model was not loaded over by transformers
+            hfcp.patch(tiny_model("llama"), device_mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("cp", "tp")))
+        elif kind == "dp_dimension":
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "cp"))
+            hfcp.patch(tiny_model("llama"), device_mesh=mesh["dp"])
         elif kind == "both":
             mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
             hfcp.patch(tiny_model("llama"), device_mesh=mesh, process_group=mesh.get_group())
     except ValueError as e:
         return str(e)
     return None
+
+
+def unpatched_tp_coordinates(path: str):
+    """A tensor-parallel model left unchanged by patch (cp 1): the ranks of a TP group share a batch."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2))
+    hfcp.patch(model, cp_size=1)
+    return hfcp.data_parallel_rank_and_size(model)

@@ -24,13 +24,12 @@ from accelerate.utils import recursively_apply
 from transformers import Trainer
 
 from ..data import data_parallel_rank_and_size
-from ..mesh import as_timedelta
+from ..mesh import as_timedelta, consecutive_block
 from ..lm_hooks import DEFAULT_LOSS_CHUNK
 from ..patch import cp_state, find_pretrained, gather_sequence, patch
-from .parallelism import accelerate_view, describe, handed_to_accelerate, layout_problems, requested_layout
+from .parallelism import UNSET, accelerate_view, describe, handed_to_accelerate, layout_problems, requested_layout
 
 log = logging.getLogger("hfcp")
-UNSET = object()  # an hfcp.patch option the caller did not give (None is a value: cp_size=None, loss_chunk=None)
 
 
 class CountedIterable(torch.utils.data.IterableDataset):
@@ -70,9 +69,18 @@ class HfcpTrainerMixin:
         self._hfcp_refuse_unsupported()
         self._hfcp_step_loss_next = False  # set by prediction_step for the gather of its loss that follows
         given = {k: v for k, v in patch_options.items() if v is not UNSET}
-        if self._hfcp_layout is not None:  # the layout's cp dimension (checked against a cp_size given)
-            given["cp_size"] = self._hfcp_layout.cp_size
+        layout = self._hfcp_layout
         state = cp_state(self.model)
+        if layout is not None and state is not None:  # patched beforehand: its CP groups must be the layout's
+            given.pop("cp_size", None)  # (a cp_size given was checked against the layout already)
+            cp, world = layout.cp_size, self.args.world_size
+            blocks = tuple(tuple(consecutive_block(d, cp)) for d in range(world // cp))
+            if state.mesh.cp_size != cp or state.mesh.cp_groups != blocks:
+                raise ValueError(f"the model is patched already with CP groups {list(state.mesh.cp_groups)}, but "
+                                 f"{describe(layout)} puts its cp dimension on {list(blocks)}: pass the model "
+                                 f"unpatched, or patch it with cp_size={cp}")
+        elif layout is not None:  # the layout's cp dimension (checked against a cp_size given)
+            given["cp_size"] = layout.cp_size
         if state is None:
             patch(self.model, **given)
         else:
@@ -118,9 +126,10 @@ class HfcpTrainerMixin:
             raise ValueError(f"{type(self).__name__} cannot run exactly with: {'; '.join(problems)}")
 
     # ---- the layout: accelerate's ParallelismConfig ------------------------------------------------------------
-    def _hfcp_take_layout(self, cp_size) -> None:
+    def _hfcp_take_layout(self, cp_size, strategy) -> None:
         """Before the Accelerator exists: the ParallelismConfig asked for (TrainingArguments or accelerate launch), or
-        None; refused when hfcp cannot run it exactly (cp_size: the trainer's own option, UNSET when not given)."""
+        None; refused when hfcp cannot run it exactly (cp_size, strategy: the trainer's own options, UNSET when not
+        given)."""
         tp = (getattr(find_pretrained(self.model), "tp_size", None) or 1) if self.model is not None else 1
         if tp > 1:  # transformers would hand accelerate a layout with its TP (before any hfcp check could run)
             raise ValueError(
@@ -131,13 +140,17 @@ class HfcpTrainerMixin:
         self._hfcp_layout = layout = requested_layout(self.args)
         if layout is None:
             return
-        problems = layout_problems(layout, self.args.world_size, None if cp_size is UNSET else cp_size)
+        if strategy is UNSET:  # the strategy hfcp will run: a patched model's, else hfcp.patch's default
+            state = cp_state(self.model) if self.model is not None else None
+            strategy = state.settings["strategy"] if state is not None else "ring"
+        problems = layout_problems(layout, self.args.world_size, cp_size, strategy)
         if problems:
             raise ValueError(f"{type(self).__name__} cannot run this layout exactly: {'; '.join(problems)}")
 
     def create_accelerator_and_postprocess(self) -> None:
         if not hasattr(self, "_hfcp_layout"):  # the first call, from the parent's __init__
-            self._hfcp_take_layout(getattr(self, "_hfcp_cp_size_given", UNSET))
+            given = getattr(self, "_hfcp_given", {})
+            self._hfcp_take_layout(given.get("cp_size", UNSET), given.get("strategy", UNSET))
         layout = self._hfcp_layout
         view = accelerate_view(layout) if layout is not None else None
         with handed_to_accelerate(self.args, view) if layout is not None else contextlib.nullcontext():
@@ -148,6 +161,12 @@ class HfcpTrainerMixin:
                     raise
                 raise ValueError(f"{describe(layout)}: hfcp does its cp dimension and hands accelerate {describe(view)} "
                                  f"(FSDP2 over dp_shard x cp), which accelerate refused: {e}") from e
+        kept = self.accelerator.parallelism_config
+        if layout is not None and kept is not None and (kept.cp_enabled or kept.sp_enabled):
+            raise ValueError(f"accelerate kept {describe(kept)}, not what hfcp handed it, so torch's CP would run "
+                             "under hfcp's: an Accelerator was configured before the trainer (accelerator_config's "
+                             "use_configured_state, or an Accelerator(parallelism_config=...) of your own); let the "
+                             "trainer create it")
         if view is not None and view.dp_shard_size > 1 and not self.accelerator.is_fsdp2:
             raise ValueError(f"{describe(layout)}: dp_shard x cp = {view.dp_shard_size} ranks shard the parameters "
                              "with FSDP2, which accelerate did not enable: pass fsdp_config={'version': 2} (or launch "
@@ -368,15 +387,19 @@ class HfcpTrainer(HfcpTrainerMixin, Trainer):
     Args:
         cp_size, strategy, loss_chunk, timeout, check_inputs: passed to `hfcp.patch` when the model is not patched
             yet; an option not given takes hfcp.patch's default (ring, "auto" chunked loss, ...). A model patched
-            already keeps its settings, and an option given that differs from them is refused.
+            already keeps its settings, and an option given that differs from them is refused. With accelerate's
+            ParallelismConfig (TrainingArguments.parallelism_config, or accelerate launch's), the CP size is its
+            cp_size (a cp_size given here must agree; None: the whole world).
     Raises:
         ValueError: settings hfcp cannot make exact (label smoothing, compute_loss_func, FSDP version 1,
-            parallelism_config, split_batches, dispatch_batches, model_init).
+            split_batches, dispatch_batches, model_init, a tensor-parallel model), and ParallelismConfig layouts it
+            cannot run (see hfcp.integrations.parallelism).
     """
 
     def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
                  **kwargs):
-        self._hfcp_cp_size_given = cp_size  # read with the layout, when the parent creates its Accelerator
+        self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)  # read with the layout, when the parent creates
+        # its Accelerator
         super().__init__(*args, **kwargs)
         self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
                              check_inputs=check_inputs))
