@@ -8,25 +8,17 @@ from hfcp.collectives import all_gather_no_grad
 from hfcp.layout import Layout, build_step_batch
 from hfcp.mesh import build_mesh
 
-_MESHES = {}
-
-
 def mesh_for(cp: int):
-    if cp not in _MESHES:
-        _MESHES[cp] = build_mesh(cp)
-    return _MESHES[cp]
+    return build_mesh(cp)  # the pool destroys the groups after each task
 
 
 def group_for(case: dict, mesh):
-    """What the strategy communicates over: the CP group, or usp's sub-groups (built once per size)."""
+    """What the strategy communicates over: the CP group, or usp's sub-groups."""
     if case["strategy"] != "usp":
         return mesh.cp_group
     from hfcp.attention import build_usp_groups
 
-    key = ("usp", case["cp"], case.get("ulysses_size", 2))
-    if key not in _MESHES:
-        _MESHES[key] = build_usp_groups(mesh.cp_groups, key[2])
-    return _MESHES[key]
+    return build_usp_groups(mesh.cp_groups, case.get("ulysses_size", 2))
 
 
 def make_case(case: dict):
