@@ -221,6 +221,24 @@ def test_parallelism_config_dp_shard2_x_cp2_under_fsdp2(pool4, reference):
         assert_same_run(got, reference[1])
 
 
+def test_hsdp_layout_is_handed_to_accelerate_with_cp_folded_into_dp_shard():
+    """dp_replicate 2 x dp_shard 2 x cp 2 (HSDP, 8 ranks): accelerate gets dp_replicate 2 x dp_shard 4 and no cp, the
+    same ranks in the same order (hfcp's CP groups are consecutive pairs inside each dp_shard x cp block of 4);
+    accelerate itself refuses dp_replicate with cp and dp_shard 1 (pure replication), so only HSDP reaches hfcp."""
+    from accelerate import ParallelismConfig
+
+    from hfcp.integrations.parallelism import UNSET, accelerate_view, layout_problems
+
+    pc = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, cp_size=2)
+    assert layout_problems(pc, 8, UNSET) == []
+    view = accelerate_view(pc)
+    assert (view.dp_replicate_size, view.dp_shard_size, view.cp_size, view.tp_size) == (2, 4, 1, 1)
+    assert not view.cp_enabled
+    assert accelerate_view(ParallelismConfig(cp_size=2)) is None  # cp alone: DDP over every process
+    with pytest.raises(ValueError, match="pure data parallelism"):
+        ParallelismConfig(dp_replicate_size=2, cp_size=2)
+
+
 def test_parallelism_config_with_lora_under_fsdp2(pool1, pool4):
     """The pieces together: LoRA (PEFT), FSDP2 over dp_shard x cp and hfcp's CP, all from one ParallelismConfig."""
     ref = pool1.run(L.layout_run, 4, None, False, False, True)[0]
