@@ -260,3 +260,10 @@ def test_parallelism_config_with_lora_under_fsdp2(pool1, pool4):
 def test_parallelism_config_refusals(pool2, kind, message):
     for msg in pool2.run(L.layout_refused, kind):
         assert (msg is None) if message is None else (msg and message in msg), msg
+
+
+def test_parallelism_config_refuses_a_model_patched_with_other_groups(pool4):
+    """A model patched with cp_size=2 on 4 processes, then ParallelismConfig(cp_size=4): refused on every rank."""
+    for msg in pool4.run(L.layout_refused, "patched_other_groups"):
+        assert msg and "the model is patched already with CP groups [(0, 1), (2, 3)], but" in msg, msg
+        assert "puts its cp dimension on [(0, 1, 2, 3)]: pass the model unpatched, or patch it with cp_size=4" in msg

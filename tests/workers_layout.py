@@ -91,12 +91,18 @@ def layout_refused(kind: str):
 
     alltoall = dict(cp_size=2, cp_handler=TorchContextParallelConfig(cp_comm_strategy="alltoall"))
     layouts = {"conflict": dict(cp_size=2), "sp": dict(sp_size=2), "size": dict(cp_size=4), "tp": dict(tp_size=2),
-               "dp_shard_on_cpu": dict(dp_shard_size=2), "alltoall": alltoall, "alltoall_ulysses": alltoall}
+               "dp_shard_on_cpu": dict(dp_shard_size=2), "alltoall": alltoall, "alltoall_ulysses": alltoall,
+               "patched_other_groups": dict(cp_size=4)}
     given = {"conflict": {"cp_size": 1}, "alltoall_ulysses": {"strategy": "ulysses"}}.get(kind, {})
+    model = tiny_model("llama")
+    if kind == "patched_other_groups":  # 4 processes: patched with CP groups {0,1}, {2,3}; the layout's is all four
+        import hfcp
+
+        hfcp.patch(model, cp_size=2)
     with tempfile.TemporaryDirectory() as out:
         args = T._args(out, 2, parallelism_config=ParallelismConfig(**layouts[kind]))
         try:
-            HfcpTrainer(model=tiny_model("llama"), args=args, **given)
+            HfcpTrainer(model=model, args=args, **given)
         except ValueError as e:
             return str(e)
     return None
