@@ -267,3 +267,8 @@ def test_parallelism_config_refuses_a_model_patched_with_other_groups(pool4):
     for msg in pool4.run(L.layout_refused, "patched_other_groups"):
         assert msg and "the model is patched already with CP groups [(0, 1), (2, 3)], but" in msg, msg
         assert "puts its cp dimension on [(0, 1, 2, 3)]: pass the model unpatched, or patch it with cp_size=4" in msg
+
+
+def test_parallelism_config_refused_when_a_configured_accelerator_keeps_cp(pool2):
+    for msg in pool2.run(L.configured_accelerator_kept_cp):
+        assert msg and "accelerate kept ParallelismConfig(" in msg and "cp_size=2" in msg, msg

@@ -113,3 +113,25 @@ def sft_layout_run(per_device: int, layout: dict):
     from accelerate import ParallelismConfig
 
     return T.sft_run(per_device, None, {"parallelism_config": ParallelismConfig(**layout)})
+
+
+def configured_accelerator_kept_cp():
+    """An Accelerator configured before the trainer (its state on FSDP, forced on CPU) whose ParallelismConfig has
+    cp 2, and a trainer told to use it: accelerate keeps that layout, so torch's CP would run under hfcp's."""
+    from accelerate import ParallelismConfig
+    from accelerate.state import AcceleratorState
+
+    from hfcp.integrations import HfcpTrainer
+
+    before = T._force_fsdp_state(2)
+    AcceleratorState._shared_state["parallelism_config"] = ParallelismConfig(cp_size=2)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            args = T._args(out, 2, parallelism_config=ParallelismConfig(cp_size=2),
+                           accelerator_config={"use_configured_state": True})
+            HfcpTrainer(model=tiny_model("llama"), args=args)
+    except ValueError as e:
+        return str(e)
+    finally:
+        T._restore_state(before)
+    return None
