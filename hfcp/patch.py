@@ -195,9 +195,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         cp_size: ranks per CP group (None: the whole world, or the size of `process_group`).
         strategy: "ring", "allgather", "ulysses" or "usp" (Ulysses inside groups of `ulysses_size` consecutive
             ranks of the CP group, ring across them).
-        process_group: an existing group to use as the CP group: any set of ranks (with groups that are not
-            hfcp's own consecutive blocks, every rank of the world must call patch: their data-parallel
-            coordinates are read in one all-gather).
+        process_group: an existing group to use as the CP group: any set of ranks. Every rank of the world then
+            calls patch: the groups are compared, and their data-parallel coordinates read, in one all-gather.
         timeout: seconds or timedelta bounding every collective on the CP group.
         check_inputs: verify each step (one tiny all-gather) that every rank of a CP group got the same batch.
         loss_chunk: how a causal LM's loss is computed when labels are given. An int: this many tokens at a

@@ -28,8 +28,8 @@ class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
 
     def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
                  **kwargs):
-        self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)  # read with the layout, when the parent creates
-        # its Accelerator
+        # read with the layout, when the parent's __init__ creates the Accelerator
+        self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)
         super().__init__(*args, **kwargs)
         self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
                              check_inputs=check_inputs))

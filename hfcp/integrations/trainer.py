@@ -75,7 +75,7 @@ class HfcpTrainerMixin:
             given.pop("cp_size", None)  # (a cp_size given was checked against the layout already)
             cp, world = layout.cp_size, self.args.world_size
             blocks = tuple(tuple(consecutive_block(d, cp)) for d in range(world // cp))
-            if state.mesh.cp_size != cp or state.mesh.cp_groups != blocks:
+            if state.mesh.cp_groups != blocks:
                 raise ValueError(f"the model is patched already with CP groups {list(state.mesh.cp_groups)}, but "
                                  f"{describe(layout)} puts its cp dimension on {list(blocks)}: pass the model "
                                  f"unpatched, or patch it with cp_size={cp}")
@@ -398,8 +398,8 @@ class HfcpTrainer(HfcpTrainerMixin, Trainer):
 
     def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
                  **kwargs):
-        self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)  # read with the layout, when the parent creates
-        # its Accelerator
+        # read with the layout, when the parent's __init__ creates the Accelerator
+        self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)
         super().__init__(*args, **kwargs)
         self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
                              check_inputs=check_inputs))
