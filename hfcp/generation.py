@@ -123,6 +123,11 @@ def wrap_generate(model, group):
         if kwargs.get("max_time") is not None or getattr(config, "max_time", None) is not None:
             raise ValueError("hfcp: generate(max_time=...) would stop each rank of a CP group by its own clock, at "
                              "different steps; pass max_new_tokens instead")
+        for name in ("output_hidden_states", "output_attentions"):
+            if kwargs.get(name) or (kwargs.get(name) is None and getattr(config, name, False)):
+                raise ValueError(f"hfcp: generate({name}=True) on a patched model: each rank holds its shard of the "
+                                 f"prompt, so what generate() would return is a rank's shard; leave {name} off (a "
+                                 "forward returns hidden states local, for hfcp.gather_sequence)")
         criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [TokensAgree(group)])
         return original(*args, stopping_criteria=criteria, **kwargs)
 

@@ -139,11 +139,15 @@ def same_head_dim(query, key, value):
 
 
 # Keyword arguments that carry nothing hfcp's attention needs: positions (the step holds the global ones), the
-# cache flag (the step says whether this is a decode step), the loss's token count and the router-logits recording flag (MoE families
-# pass both down to every layer). Any other one is implemented or refused.
+# cache flag (the step says whether this is a decode step), the loss's token count and the flags that record outputs
+# (router logits, hidden states: families pass them down to every layer). Any other one is implemented or refused.
 IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "num_items_in_batch",
-                            "output_router_logits"})
+                            "output_router_logits", "output_hidden_states"})
 NEUTRAL_VALUES = {"logits_to_keep": 0}  # keep all logits: some outer models pass it down through **kwargs
+CALL_OPTIONS = {  # options of the model's call that reach attention: refused by name (the model is supported)
+    "output_attentions": "hfcp's attention never forms the (query x key) attention weights, so it has none to "
+                         "return; call the model without output_attentions (hfcp.unpatch(model) to inspect them)",
+}
 
 
 def refuse_unimplemented(module, kwargs: dict) -> None:
@@ -155,6 +159,8 @@ def refuse_unimplemented(module, kwargs: dict) -> None:
             continue
         if name in NEUTRAL_VALUES and type(value) is int and value == NEUTRAL_VALUES[name]:
             continue
+        if name in CALL_OPTIONS:
+            raise ValueError(f"{name}={value!r} on a hfcp-patched model: {CALL_OPTIONS[name]}")
         shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
         raise ValueError(
             f"{type(module).__name__} passes {name}={shown} to its attention function, which hfcp's context-parallel "

@@ -224,8 +224,9 @@ def router_logits_wanted(state, module, kw: dict) -> bool:
     """Whether this forward outputs router logits (the argument, else the config), so that the MoE router aux loss
     must be computed; raises ValueError (on every rank alike) when hfcp cannot compute it exactly."""
     wanted = kw.get("output_router_logits")
-    if wanted is None:
-        wanted = getattr(module.config, "output_router_logits", False)
+    if wanted is None:  # (a VLM's checkpoint keeps it in its text config)
+        wanted = getattr(module.config, "output_router_logits", None)
+        wanted = getattr(module.config.get_text_config(), "output_router_logits", False) if wanted is None else wanted
     if not wanted or state.router_aux is None:
         return False  # a family without the aux loss returns its (local) router logits as they are
     if isinstance(state.router_aux, str):

@@ -185,6 +185,24 @@ def _head_kind(model: PreTrainedModel, model_type: str, token_model: bool) -> st
     )
 
 
+def _head_counts(inner: PreTrainedModel, patcher: Patcher, tp_ranks) -> tuple[int, int]:
+    """(query heads, KV heads) of one rank's attention, from the config fields the record names.
+
+    Raises:
+        UnsupportedModelError: the text config has no such field (ulysses / usp need the head counts).
+    """
+    cfg = inner.config.get_text_config()
+    heads = getattr(cfg, patcher.num_heads_attr, None)
+    if not isinstance(heads, int):
+        raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}): ulysses and usp "
+                                    f"split attention heads, but its config has no {patcher.num_heads_attr!r} (the "
+                                    "record's num_heads_attr) to read them from; use strategy='ring' or 'allgather'")
+    kv_heads = getattr(cfg, patcher.num_kv_heads_attr, None) or heads
+    if tp_ranks is not None:  # each TP rank's attention holds its share of the heads
+        heads, kv_heads = heads // len(tp_ranks), max(kv_heads // len(tp_ranks), 1)
+    return heads, kv_heads
+
+
 def patch(model, cp_size: int | None = None, strategy: str = "ring", process_group=None, timeout=None,
           check_inputs: bool = True, loss_chunk: int | str | None = "auto", ulysses_size: int | None = None,
           device_mesh=None):
@@ -281,23 +299,21 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     if mesh is None:
         log.info("hfcp: one process or cp_size=1: %s runs unchanged", type(inner).__name__)
         return model
-    cfg = inner.config.get_text_config()
-    heads = getattr(cfg, patcher.num_heads_attr)
-    kv_heads = getattr(cfg, patcher.num_kv_heads_attr, None) or heads
-    if tp_ranks is not None:  # each TP rank's attention holds its share of the heads
-        heads, kv_heads = heads // len(tp_ranks), max(kv_heads // len(tp_ranks), 1)
-    try:
-        if strategy == "ulysses":
-            check_heads(heads, kv_heads, mesh.cp_size)
-        u = check_ulysses_size(ulysses_size, mesh.cp_size, heads, kv_heads) if strategy == "usp" else None
-    except ValueError as e:
-        if tp_ranks is None:
-            raise
-        raise ValueError(f"{e} (the head counts of one tensor-parallel rank: the model's over tp={len(tp_ranks)})") from None
+    u = None
+    if modules and strategy in ("ulysses", "usp"):  # (a model without attention, such as Mamba, has no heads to split)
+        heads, kv_heads = _head_counts(inner, patcher, tp_ranks)
+        try:
+            if strategy == "ulysses":
+                check_heads(heads, kv_heads, mesh.cp_size)
+            u = check_ulysses_size(ulysses_size, mesh.cp_size, heads, kv_heads) if strategy == "usp" else None
+        except ValueError as e:
+            if tp_ranks is None:
+                raise
+            raise ValueError(f"{e} (the head counts of one tensor-parallel rank: the model's over tp={len(tp_ranks)})") from None
     attention_group = mesh.cp_group
-    if strategy == "usp":  # every rank builds every sub-group (collective), after the checks that can raise
+    if u is not None:  # usp: every rank builds every sub-group (collective), after the checks that can raise
         attention_group = build_usp_groups(mesh.cp_groups, u, as_timedelta(timeout))
-    elif ulysses_size is not None:
+    elif ulysses_size is not None and strategy != "usp":
         raise ValueError(f"ulysses_size={ulysses_size!r} applies to strategy='usp' only (strategy={strategy!r})")
     embeddings = None
     if patcher.embeddings_classes:

@@ -43,7 +43,8 @@ def tiny_config(model_type: str):
         if hasattr(default, "kv_lora_rank"):  # MLA: keys and values are expanded to every query head
             extra["num_key_value_heads"] = TINY["num_attention_heads"]
         extra.update(_ssm_dims(default))
-        settable = {k: v for k, v in TINY.items() if getattr(getattr(cls, k, None), "fset", True) is not None}
+        settable = {k: v for k, v in TINY.items()  # only the fields the family's config has (as a checkpoint's):
+                    if _has_field(default, k) and getattr(getattr(cls, k, None), "fset", True) is not None}
         cfg = None
         kinds = _layer_kinds(default)
         if kinds and default.get_text_config() is default:
@@ -67,6 +68,17 @@ def tiny_config(model_type: str):
                 setattr(part, k, 0.0)
     cfg._attn_implementation = "sdpa"
     return cfg
+
+
+def _has_field(config, name: str) -> bool:
+    """Whether the config has the field (one that exists per layer raises on a global read: it has it)."""
+    try:
+        getattr(config, name)
+    except AttributeError:
+        return False
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError (Gemma 4's head_dim)
+        return True
+    return True
 
 
 SSM = dict(state_size=8, mamba_d_state=8, ssm_state_size=8, mamba_d_head=8, n_groups=2)  # SSM (Mamba) dimensions

@@ -12,12 +12,14 @@ a worker comes back as a `VerifyError` whose message is its one line "Type: mess
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import json
 import os
 import resource
 import socket
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -165,12 +167,24 @@ def check_arguments(model: str, seq_len: int, data: str | None = None) -> None:
                           f"{table[1]}, max_position_embeddings={table[0]}): pass --seq-len {table[0]} or less", 2)
 
 
+@functools.lru_cache(maxsize=1)
 def VLM_TYPES():  # noqa: N802 - a constant of the installed transformers
-    """The image-text-to-text model_types of transformers (a causal-LM type that is also one is verified as an LM)."""
+    """The image-text-to-text model_types of transformers, verified as VLMs (with images): those that are not also
+    causal-LM types, and those that are but whose config has a vision part (Gemma 3, Qwen3.5: a checkpoint of them
+    is the VLM; verified as a text model, the tiny builder would shrink the text part only)."""
+    from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
 
-    return [t for t in VLM if t not in CAUSAL_LM]
+    def has_vision(model_type: str) -> bool:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return getattr(CONFIG_MAPPING[model_type](), "vision_config", None) is not None
+        except Exception:  # noqa: BLE001 - a config without defaults: verified as a text model, as before
+            return False
+
+    return tuple(t for t in VLM if t not in CAUSAL_LM or has_vision(t))
 
 
 def _auto_class(model_type: str):

@@ -84,6 +84,7 @@ VERIFIED = (
     "minicpm3",
     "minimax",
     "minimax_m2",
+    "minimax_m3_vl_text",
     "ministral",
     "ministral3",
     "mixtral",

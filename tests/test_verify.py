@@ -119,9 +119,10 @@ def test_verify_bad_invocations_print_one_line_and_exit_nonzero(case, tmp_path, 
         assert stdout == "" and stderr.strip() == last, out[-3000:]
 
 
-@pytest.mark.parametrize("model, strategy", [("qwen2_vl", "ulysses"), ("checkpoint", "ring")])
+@pytest.mark.parametrize("model, strategy", [("qwen2_vl", "ulysses"), ("gemma3", "allgather"), ("checkpoint", "ring")])
 def test_verify_a_vision_language_model_with_images(tmp_path, model, strategy):
-    # a VLM model_type (a tiny random one) or checkpoint directory: two rows with an image each, built by hand
+    # a VLM model_type (a tiny random one) or checkpoint directory: two rows with an image each, built by hand;
+    # gemma3 is a causal-LM type too (built as a text model it had 92.9M parameters, and verify exited 1)
     if model == "checkpoint":
         from hfcp.tiny_vlm import tiny_vlm
 

@@ -1,0 +1,75 @@
+"""Workers for models built as a user builds them: from transformers' config classes with the checkpoint's fields
+only (hfcp's tiny builder used to add fields such as num_attention_heads to every config, which hid reads of fields
+that real configs lack)."""
+from __future__ import annotations
+
+import torch
+
+import hfcp
+from hfcp.verify import grad_error
+from workers_model import averaged_grads
+
+SMALL = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, state_size=8, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2, use_cache=False)
+
+
+def mamba_model(kind: str):
+    """MambaForCausalLM, Mamba2ForCausalLM or FalconMambaForCausalLM from their config classes (no attention, no
+    num_attention_heads); weights perturbed."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    if kind == "mamba2":  # heads of 8 tiling hidden_size x expand
+        model = T.Mamba2ForCausalLM(T.Mamba2Config(**SMALL, num_heads=8, head_dim=8, n_groups=1, chunk_size=16))
+    elif kind == "falcon_mamba":
+        model = T.FalconMambaForCausalLM(T.FalconMambaConfig(**SMALL))
+    else:
+        model = T.MambaForCausalLM(T.MambaConfig(**SMALL))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.float().train()
+
+
+def mamba_exact(kind: str, strategy: str) -> dict:
+    """Loss and CP-mean gradients of the patched model against the unpatched one, two rows, one left-padded."""
+    ref, model = mamba_model(kind), mamba_model(kind)
+    ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+    want.backward()
+    hfcp.patch(model, cp_size=2, strategy=strategy, timeout=30)
+    got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    got.backward()
+    grads = averaged_grads(model)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    return {"has_heads": hasattr(model.config, "num_attention_heads"), "loss_err": abs(got.item() - want.item()),
+            "grad_err": grad_error(grads, ref_grads), "same_keys": grads.keys() == ref_grads.keys()}
+
+
+def output_options() -> dict:
+    """output_hidden_states in a forward (local, gathered equal to the unpatched ones), in generate() and
+    output_attentions: refused naming the option."""
+    from hfcp.tiny import tiny_model
+
+    model = tiny_model("llama").eval()
+    ids = torch.randint(3, 90, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(input_ids=ids, output_hidden_states=True).hidden_states
+        hfcp.patch(model, cp_size=2, timeout=30)
+        got = model(input_ids=ids, output_hidden_states=True).hidden_states
+        out = {"hidden_err": max(float((hfcp.gather_sequence(g, model) - w).abs().max()) for g, w in zip(got, want)),
+               "layers": (len(got), len(want))}
+        for name, call in (("attentions", lambda: model(input_ids=ids, output_attentions=True)),
+                           ("generate", lambda: model.generate(ids, max_new_tokens=2, do_sample=False,
+                                                               output_hidden_states=True,
+                                                               return_dict_in_generate=True))):
+            try:
+                call()
+                out[name] = "ran"
+            except ValueError as e:
+                out[name] = str(e)
+    return out
