@@ -1,5 +1,6 @@
 """HfcpSFTTrainer (TRL): 1 process (stock SFTTrainer, fused LM head) vs cp 2 and dp 2 x cp 2."""
 import pytest
+import torch
 
 import workers_trainer as W
 
@@ -81,3 +82,18 @@ def test_sft_with_a_parallelism_config_cp2_equals_one_process(pool2, sft_referen
 
     for got in pool2.run(L.sft_layout_run, 4, dict(cp_size=2)):
         assert_same(got, sft_reference)
+
+
+def test_sft_predict_on_a_sized_iterable_dp2_cp2_equals_one_process(pool1, pool4):
+    """HfcpSFTTrainer shares HfcpTrainer's evaluation: an IterableDataset with a length, 5 rows with different
+    numbers of targets, whose last batch accelerate fills with repeated rows at dp 2 x cp 2; one process weights
+    that batch by its own row (as map-style data). The predictions differ only where TRL's collator pads each DP
+    group's batch to its own length: compared on the targets."""
+    ref = pool1.run(W.sft_eval_run, 4, None, "sized")[0]
+    assert len(set(ref["targets"])) > 1, ref["targets"]
+    assert abs(ref["test_loss"] - pool1.run(W.sft_eval_run, 4, None, "map")[0]["test_loss"]) <= 2e-6 * ref["test_loss"]
+    for got in pool4.run(W.sft_eval_run, 2, 2, "sized"):
+        assert abs(got["test_loss"] - ref["test_loss"]) <= 2e-6 * ref["test_loss"], (got["test_loss"], ref["test_loss"])
+        assert torch.equal(got["label_ids"], ref["label_ids"]) and got["predictions"].shape == ref["predictions"].shape
+        targets = ref["label_ids"] != -100
+        assert float((got["predictions"] - ref["predictions"])[targets].abs().max()) < 1e-4

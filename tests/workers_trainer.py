@@ -43,6 +43,23 @@ class IterableRows(torch.utils.data.IterableDataset):
         return iter(self.rows.rows)
 
 
+class SizedIterable(torch.utils.data.IterableDataset):
+    """An IterableDataset with a length (as many streaming wrappers have): one process then truncates its gathered
+    last batch to it, so that batch weighs its own rows in the eval loss (without one: as a full batch)."""
+
+    def __init__(self, rows):
+        self.rows = list(rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self):
+        return len(self.rows)
+
+
+EVAL_DATA = {"map": Rows, "iterable": IterableRows, "sized": lambda n, seed: SizedIterable(Rows(n, seed).rows)}
+
+
 def _reset_accelerate():
     from accelerate.state import AcceleratorState
 
@@ -391,13 +408,14 @@ def conflicting_options():
     return None
 
 
-def iterable_eval_run(per_device: int, cp_size=None, iterable=True, overrides=None, workers=True):
-    """evaluate and predict (untrained model) on datasets whose last batch does not fill every DP group; then
-    (workers) predict with 2 DataLoader workers, refused for an IterableDataset over DP groups: the error."""
+def iterable_eval_run(per_device: int, cp_size=None, kind="iterable", overrides=None, workers=True):
+    """evaluate and predict (untrained model) on datasets (EVAL_DATA[kind]) whose last batch does not fill every DP
+    group, their rows with different numbers of targets; then (workers) predict with 2 DataLoader workers, refused
+    for an IterableDataset over DP groups: the error."""
     from hfcp.integrations import HfcpTrainer
 
     _reset_accelerate()
-    data = IterableRows if iterable else Rows
+    data = EVAL_DATA[kind]
     with tempfile.TemporaryDirectory() as out:
         trainer = HfcpTrainer(model=tiny_model("llama"), args=_args(out, per_device, **(overrides or {})),
                               cp_size=cp_size)
@@ -413,7 +431,7 @@ def iterable_eval_run(per_device: int, cp_size=None, iterable=True, overrides=No
     return {"eval_loss": metrics["eval_loss"], "test_loss": pred.metrics["test_loss"],
             "predictions": torch.as_tensor(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids),
             "small_loss": small.metrics["test_loss"], "small_predictions": torch.as_tensor(small.predictions),
-            "refused": refused}
+            "refused": refused, "targets": [int((r["labels"][1:] != -100).sum()) for r in Rows(5, 2).rows]}
 
 
 def sharded_stream_refused(shards: int) -> str | None:
@@ -546,3 +564,23 @@ def vlm_sft_run(per_device: int, cp_size=None):
     keys = ("loss", "grad_norm", "mean_token_accuracy", "entropy", "num_tokens")
     return {"history": [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history if "loss" in h],
             "eval_loss": metrics["eval_loss"], "images_encoded": images_encoded}
+
+
+def sft_eval_run(per_device: int, cp_size=None, kind="sized"):
+    """HfcpSFTTrainer.predict (untrained model) on 5 tokenized rows of 6-19 tokens (different numbers of targets,
+    TRL's collator pads them), map-style or a SizedIterable (kind "sized"): the loss, predictions and labels."""
+    from trl import SFTConfig
+
+    from hfcp.integrations import HfcpSFTTrainer
+
+    _reset_accelerate()
+    rows = [{k: torch.tensor(v) for k, v in r.items()} for r in tokenized_rows(5, 2)]
+    data = SizedIterable(rows) if kind == "sized" else rows
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, per_device_eval_batch_size=per_device, report_to=[], bf16=False,
+                         use_cpu=True, disable_tqdm=True, max_length=32)
+        trainer = HfcpSFTTrainer(model=tiny_model("llama"), args=args, processing_class=word_tokenizer(),
+                                 train_dataset=prompt_completion(4, 0), cp_size=cp_size)
+        pred = trainer.predict(data)
+    return {"test_loss": pred.metrics["test_loss"], "predictions": torch.as_tensor(pred.predictions),
+            "label_ids": torch.as_tensor(pred.label_ids), "targets": [int((r["labels"][1:] != -100).sum()) for r in rows]}

@@ -51,6 +51,16 @@ class CountedIterable(torch.utils.data.IterableDataset):
     def __len__(self):
         return len(self.dataset)  # TypeError when the dataset has no length, as before
 
+    @property
+    def sized(self) -> bool:
+        """Whether the dataset has a length: one process then truncates the gathered last batch to it, so that
+        batch weighs its own samples in the eval loss (without one, it weighs as a full batch)."""
+        try:
+            len(self.dataset)
+        except Exception:  # noqa: BLE001 - any error: no length, as accelerate's DataLoaderShard.begin decides
+            return False
+        return True
+
     def __getattr__(self, name):  # set_epoch, generator, ...: the dataset's, as IterableDatasetShard looks for them
         if name in ("dataset", "count") or name.startswith("__"):
             raise AttributeError(name)
@@ -344,10 +354,11 @@ class HfcpTrainerMixin:
         step_loss, self._hfcp_step_loss_next = self._hfcp_step_loss_next, False
         if not acc.gradient_state.end_of_dataloader:
             return data
-        if step_loss and self._counted_shard() is not None:
-            # the loss of the whole last step (repeated samples left out), of an iterable dataset: one process
-            # does not know how many samples its last batch holds and weights that loss as a full batch, so do not
-            # truncate it (map-style data: one process truncates it as below)
+        shard = self._counted_shard()
+        if step_loss and shard is not None and not shard.dataset.sized:
+            # the loss of the whole last step (repeated samples left out), of an iterable dataset without a length:
+            # one process does not know how many samples its last batch holds and weights that loss as a full
+            # batch, so do not truncate it (with a length, or map-style data, one process truncates it as below)
             return data
         remainder = self._remainder()
         if remainder > 0:  # drop the samples repeated to even batches
