@@ -1,6 +1,6 @@
 """hfcp: make Hugging Face models context-parallel with one line (see DESIGN.md)."""
-from .collectives import CollectiveError
-from .data import average_gradients, data_parallel_rank_and_size
+from .distributed.collectives import CollectiveError
+from .distributed.data import average_gradients, data_parallel_rank_and_size
 from .patch import cp_state, gather_sequence, patch, unpatch
 from .registry import Patcher, UnsupportedModelError, register_patcher, supported_model_types
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .collectives import all_gather
+from .distributed.collectives import all_gather
 from .layout import StepBatch
 
 

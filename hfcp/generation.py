@@ -101,7 +101,7 @@ class TokensAgree:
         self.group = group
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        from .collectives import all_gather_no_grad
+        from .distributed.collectives import all_gather_no_grad
 
         last = input_ids[:, -1:].to(torch.int64)
         every = all_gather_no_grad(last[None], self.group, 0)  # (cp, B, 1)

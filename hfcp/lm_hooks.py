@@ -7,7 +7,7 @@ import torch
 from accelerate.hooks import ModelHook
 
 from .checks import check_same_batch, check_shapes, check_token_range
-from .collectives import all_reduce_no_grad, all_reduce_sum
+from .distributed.collectives import all_reduce_no_grad, all_reduce_sum
 from .forward_data import ForwardData
 from .generation import generation_cache, prepare_decode
 from .layout import Layout, build_step_batch, document_ids, pad_to

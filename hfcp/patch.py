@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from transformers.models.auto import modeling_auto
 
 from .attention import STRATEGIES, build_usp_groups, check_heads, check_ulysses_size
-from .collectives import all_gather
+from .distributed.collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
 from .introspect import (interface_attention_classes, logit_transform, not_through_interface, other_mixers,
                          router_aux_loss)
@@ -22,10 +22,10 @@ from .vlm_hooks import LanguageModelHook, find_language_model, module_with_confi
 from .linear_ce import IDENTITY, LogitTransform
 from .forward_data import ForwardData
 from .layout import StepBatch
-from .mesh import Mesh, as_timedelta, build_mesh, cp_group_of_device_mesh, tp_ranks_of_device_mesh
+from .distributed.mesh import Mesh, as_timedelta, build_mesh, cp_group_of_device_mesh, tp_ranks_of_device_mesh
 from .registry import REGISTRY, Patcher, UnsupportedModelError
 from .router_loss import RouterStatsHook
-from .tensor_parallel import is_sharded, tensor_parallel_ranks
+from .distributed.tensor_parallel import is_sharded, tensor_parallel_ranks
 
 log = logging.getLogger("hfcp")
 

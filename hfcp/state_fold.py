@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .collectives import all_gather
+from .distributed.collectives import all_gather
 from .layout import StepBatch
 
 

@@ -17,7 +17,7 @@ from accelerate.hooks import ModelHook, add_hook_to_module
 
 from .checks import check_same_batch
 from .lm_hooks import as_kwargs, check_attention_ran
-from .collectives import all_gather
+from .distributed.collectives import all_gather
 from .forward_data import ForwardData
 from .layout import Layout, build_step_batch, pad_to
 

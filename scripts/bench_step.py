@@ -129,7 +129,7 @@ def model_step(args, device):
 def attention_step(args, device):
     from hfcp.attention import STRATEGIES, MaskSpec
     from hfcp.layout import Layout, build_step_batch
-    from hfcp.mesh import build_mesh
+    from hfcp.distributed.mesh import build_mesh
 
     B, H, Hkv, D, L = 1, 8, 2, 32, args.seq_len
     g = torch.Generator().manual_seed(0)
@@ -147,7 +147,7 @@ def attention_step(args, device):
         return deepspeed_ulysses_step(q, k, v, args, device)
     mesh = build_mesh(args.cp)
     if args.no_comm:  # the same ring schedule and tiles, with every exchange replaced by reusing local K/V
-        from hfcp import collectives
+        from hfcp.distributed import collectives
 
         class LocalComm(collectives.RingComm):
             def exchange(self, tensors):

@@ -11,8 +11,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hfcp.tiny import tiny_model as build
-from hfcp.verify import grad_error
+from hfcp.testing.tiny import tiny_model as build
+from hfcp.commands.verify import grad_error
 
 L, B = 24, 2
 
@@ -210,7 +210,7 @@ def _packing(make) -> str:
     return "packed mismatch"
 
 
-LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # relative; gradients: the worst parameter (hfcp.verify.grad_error)
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # relative; gradients: the worst parameter (hfcp.commands.verify.grad_error)
 
 
 STRATEGIES = ("ring", "allgather", "ulysses")

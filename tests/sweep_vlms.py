@@ -13,8 +13,8 @@ import sys
 
 import torch.distributed as dist
 
-from hfcp.tiny_vlm import image_batch, text_batch, tiny_vlm
-from hfcp.verify import grad_error
+from hfcp.testing.tiny_vlm import image_batch, text_batch, tiny_vlm
+from hfcp.commands.verify import grad_error
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 

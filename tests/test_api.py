@@ -6,7 +6,7 @@ import transformers
 import hfcp
 from hfcp.layout import Layout, build_step_batch, document_ids
 from hfcp.loss import shift_labels
-from hfcp.mesh import build_mesh
+from hfcp.distributed.mesh import build_mesh
 from workers_model import make_batch, tiny_model
 
 

@@ -7,7 +7,7 @@ import torch
 
 import workers_hardening as W
 from hfcp.checks import content_digest
-from hfcp.mesh import as_timedelta
+from hfcp.distributed.mesh import as_timedelta
 
 
 def _exact(r, loss_tol=1e-5, grad_tol=1e-5):

@@ -8,7 +8,7 @@ import workers_tp as W
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Tiny Llama checkpoints for transformers' tensor-parallel loading: 4 heads / 2 KV heads, and 8 / 4."""
-    from hfcp.tiny import tiny_model
+    from hfcp.testing.tiny import tiny_model
 
     paths = {}
     for heads, kv in [(4, 2), (8, 4)]:

@@ -149,7 +149,7 @@ def test_a_layer_without_a_mixer_needs_its_record_to_vouch_for_it():
     # Nemotron-H's MLP / MoE layers hold no mixer: its record names their classes as token-wise; without them (a
     # record that does not know the family) the model is refused by name
     from hfcp.introspect import other_mixers
-    from hfcp.tiny import tiny_model
+    from hfcp.testing.tiny import tiny_model
 
     model = tiny_model("nemotron_h")
     kinds = ("NemotronHAttention",), ("NemotronHMamba2Mixer",)

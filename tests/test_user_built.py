@@ -6,7 +6,7 @@ import workers_user_built as W
 
 
 def test_the_tiny_builder_sets_only_the_fields_a_config_has():
-    from hfcp.tiny import tiny_config
+    from hfcp.testing.tiny import tiny_config
 
     # MambaConfig has no attention heads: the builder added num_attention_heads, which hid hfcp reading it (issue 30)
     assert not hasattr(tiny_config("mamba"), "num_attention_heads")

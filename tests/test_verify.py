@@ -15,7 +15,7 @@ def _verify(*args, report: bool = True):
     """(exit status, the JSON report, what was printed to stderr) of `hfcp verify ... --json`, through the console
     command's function in this process (its workers are processes of their own either way); report=False: no
     report is expected (a one-line error), None in its place."""
-    from hfcp.cli import main
+    from hfcp.commands.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -46,7 +46,7 @@ def test_verify_a_model_type_that_hfcp_refuses_exits_nonzero():
 
 
 def test_verify_bad_arguments_exit_with_usage(capsys):
-    from hfcp.cli import main
+    from hfcp.commands.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["verify", "--model", "llama", "--cp-size", "1"])
@@ -56,12 +56,12 @@ def test_verify_bad_arguments_exit_with_usage(capsys):
 def _console(*args):
     """The installed console command (`hfcp`, next to this interpreter), or the module where it is not installed."""
     script = Path(sys.executable).with_name("hfcp")
-    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "hfcp.cli"]
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "hfcp.commands.cli"]
     return subprocess.run([*cmd, "verify", *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def _config_only(tmp_path):  # a checkpoint directory whose weights are missing: only loading the model finds that
-    from hfcp.tiny import tiny_config
+    from hfcp.testing.tiny import tiny_config
 
     tiny_config("gpt2").save_pretrained(tmp_path / "ckpt")
     return str(tmp_path / "ckpt")
@@ -71,7 +71,7 @@ def _config_only(tmp_path):  # a checkpoint directory whose weights are missing:
 BAD_INVOCATIONS = {
     "seq_len_beyond_the_tiny_models_positions": (
         lambda tmp: ["--model", "gpt2"], 2,
-        "hfcp verify: error: --seq-len 512 is more than the 256 positions of the tiny random gpt2 of hfcp.tiny "
+        "hfcp verify: error: --seq-len 512 is more than the 256 positions of the tiny random gpt2 of hfcp.testing.tiny "
         "(its position table transformer.wpe, max_position_embeddings=256): pass --seq-len 256 or less", True),
     "unknown_model_type": (
         lambda tmp: ["--model", "not_a_type"], 2,
@@ -82,7 +82,7 @@ BAD_INVOCATIONS = {
         "hfcp verify: error: --model {tmp}: a directory without config.json, and not a causal-LM or image-text-to-text model_type", True),
     "type_of_which_no_tiny_model_is_built": (
         lambda tmp: ["--model", "bart", "--seq-len", "32"], 1,
-        "hfcp verify: ValueError: the tiny config still has 3.3M parameters (hfcp.tiny builds no tiny random model "
+        "hfcp verify: ValueError: the tiny config still has 3.3M parameters (hfcp.testing.tiny builds no tiny random model "
         "of bart: verify a checkpoint directory of it instead)", True),
     "data_with_a_model_type": (
         lambda tmp: ["--model", "gpt2", "--seq-len", "32", "--data", str(ROOT / "README.md")], 2,
@@ -99,11 +99,11 @@ BAD_INVOCATIONS = {
 def test_verify_bad_invocations_print_one_line_and_exit_nonzero(case, tmp_path, capfd):
     """Each prints one line (`hfcp verify: error: ...` for bad arguments, exit 2; `hfcp verify: Type: message`, exit
     1, for what was raised building or running the model), never a traceback; the parent finds bad arguments before
-    starting any worker. Those are checked in this process (hfcp.cli.main, the console command's function: what a
+    starting any worker. Those are checked in this process (hfcp.commands.cli.main, the console command's function: what a
     worker printed would reach the captured file descriptors too); the worker's error through the console command."""
     args, status, line, in_parent = BAD_INVOCATIONS[case]
     if in_parent:
-        from hfcp.cli import main
+        from hfcp.commands.cli import main
 
         rc = main(["verify", *args(tmp_path)])
         stdout, stderr = capfd.readouterr()
@@ -124,7 +124,7 @@ def test_verify_a_vision_language_model_with_images(tmp_path, model, strategy):
     # a VLM model_type (a tiny random one) or checkpoint directory: two rows with an image each, built by hand;
     # gemma3 is a causal-LM type too (built as a text model it had 92.9M parameters, and verify exited 1)
     if model == "checkpoint":
-        from hfcp.tiny_vlm import tiny_vlm
+        from hfcp.testing.tiny_vlm import tiny_vlm
 
         tiny_vlm("gemma3").save_pretrained(tmp_path / "ckpt")  # image blocks bidirectional, sliding layers
         model = str(tmp_path / "ckpt")

@@ -61,7 +61,7 @@ def test_vlm_videos_of_frame_towers(pool2, model_type):
     so split over the ranks) and pool or concatenate them: two rows with a video of 4 frames each, one straddling
     the zigzag cut (the tiny models of the VLM sweep)."""
     import sweep_vlms
-    from hfcp.tiny_vlm import video_batch
+    from hfcp.testing.tiny_vlm import video_batch
 
     for r in pool2.run(sweep_vlms._compare, model_type, video_batch):
         assert r["result"] == "exact", r

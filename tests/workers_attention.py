@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from hfcp.attention import STRATEGIES, MaskSpec
-from hfcp.collectives import all_gather_no_grad
+from hfcp.distributed.collectives import all_gather_no_grad
 from hfcp.layout import Layout, build_step_batch
-from hfcp.mesh import build_mesh
+from hfcp.distributed.mesh import build_mesh
 
 def mesh_for(cp: int):
     return build_mesh(cp)  # the pool destroys the groups after each task

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import hfcp
-from hfcp.tiny import tiny_model
-from hfcp.verify import grad_error
+from hfcp.testing.tiny import tiny_model
+from hfcp.commands.verify import grad_error
 
 L, B = 30, 2
 
@@ -106,7 +106,7 @@ def bidirectional_window(model_type: str = "gemma3_text") -> str:
     import transformers
     from transformers.models.auto import modeling_auto
 
-    from hfcp.tiny import tiny_config
+    from hfcp.testing.tiny import tiny_config
 
     cfg = tiny_config(model_type)
     cfg.use_bidirectional_attention = True

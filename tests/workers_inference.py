@@ -5,20 +5,20 @@ import torch
 import torch.distributed as dist
 
 import hfcp
-from hfcp.verify import grad_error
+from hfcp.commands.verify import grad_error
 from workers_model import averaged_grads, tiny_model
 
 
 def _model(kind: str):
     """A tiny model of tests/workers_model.py (llama, mistral: a window of 7, qwen2: a window of 6 on a layer) with
-    4096 positions, or hfcp.tiny's of a type (gemma2: attention and final-logit softcapping, sliding and full
+    4096 positions, or hfcp.testing.tiny's of a type (gemma2: attention and final-logit softcapping, sliding and full
     layers; gpt_oss: attention sinks, sliding layers, MoE)."""
     if kind in ("gemma2", "gpt_oss", "mixtral"):  # mixtral: MoE with the router aux loss on (output_router_logits)
-        from hfcp.tiny import tiny_model as tiny_of_type
+        from hfcp.testing.tiny import tiny_model as tiny_of_type
 
         model = tiny_of_type(kind).float()
         model.config.output_router_logits = kind == "mixtral"
-        model.config.use_cache = model.generation_config.use_cache = True  # hfcp.tiny turns it off for training
+        model.config.use_cache = model.generation_config.use_cache = True  # hfcp.testing.tiny turns it off for training
         return model
     if kind == "llama_dynamic":  # dynamic NTK RoPE: the frequencies change once positions pass 64
         return tiny_model("llama", max_position_embeddings=64, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
@@ -180,11 +180,11 @@ def refused_generation(kind: str) -> str:
     """hfcp's message for generate() on a patched model it does not generate with (a vision-language model, a
     recurrent hybrid)."""
     if kind == "qwen2_vl":
-        from hfcp.tiny_vlm import tiny_vlm
+        from hfcp.testing.tiny_vlm import tiny_vlm
 
         model = tiny_vlm(kind)
     else:
-        from hfcp.tiny import tiny_model as tiny_of_type
+        from hfcp.testing.tiny import tiny_model as tiny_of_type
 
         model = tiny_of_type(kind)
     model.config.get_text_config().use_cache = model.generation_config.use_cache = True

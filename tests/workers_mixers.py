@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import hfcp
-from hfcp.verify import grad_error
+from hfcp.commands.verify import grad_error
 from workers_model import averaged_grads
 
 _TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -51,7 +51,7 @@ def tiny_hybrid(kind: str):
     if kind in GATED_DELTA:
         return tiny_gated_delta(kind, "sliding_attention" if kind == "lara_mini" else "full_attention")
     if kind == "minimax":  # blocks of 8 tokens, so that the runs cut them
-        from hfcp.tiny import tiny_config
+        from hfcp.testing.tiny import tiny_config
 
         cfg = tiny_config(kind)
         cfg.block_size, cfg.output_router_logits = 8, False
@@ -65,7 +65,7 @@ def tiny_hybrid(kind: str):
                                      attn_implementation="sdpa")
         return _perturbed(T.RecurrentGemmaForCausalLM(cfg))
     if kind in KDA + MAMBA2 + MAMBA1:
-        from hfcp.tiny import tiny_model
+        from hfcp.testing.tiny import tiny_model
 
         model = tiny_model(kind)
         model.config.output_router_logits = False
@@ -213,7 +213,7 @@ def cached_forward(kind: str) -> str:
 def gathered_bytes(kind: str) -> dict:
     """Bytes this rank contributed to the all-gathers of the conv halos and the state folds in one forward (ring,
     zigzag), by the module that called them, beside hfcp.attention.volume's forward half for the same shapes."""
-    import hfcp.collectives as C
+    import hfcp.distributed.collectives as C
     from hfcp.attention.volume import channel_fold_bytes, conv_halo_bytes, scalar_fold_bytes, state_fold_bytes
 
     model = tiny_hybrid(kind)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import hfcp
-from hfcp.verify import grad_error
+from hfcp.commands.verify import grad_error
 
 L = 24
 _VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -118,7 +118,7 @@ def chunked_layer_outer_mask() -> str:
     """A causal mask built outside a patched llama4_text (chunked attention on every layer): refused."""
     from transformers.masking_utils import create_causal_mask
 
-    from hfcp.tiny import tiny_model
+    from hfcp.testing.tiny import tiny_model
 
     model = tiny_model("llama4_text")
     model.config.output_router_logits = False

@@ -75,7 +75,7 @@ def all_padding_rank(cp: int, strategy: str, loss_chunk=None, ddp=False):
 
 def ring_sends_kv_heads_only():
     """Record the head dimension of every K/V block the ring exchanges."""
-    from hfcp import collectives
+    from hfcp.distributed import collectives
 
     seen = []
     original = collectives.RingComm.exchange

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import hfcp
-from hfcp.verify import grad_error
+from hfcp.commands.verify import grad_error
 from workers_model import averaged_grads
 
 SMALL = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, state_size=8, pad_token_id=0, bos_token_id=1,
@@ -53,7 +53,7 @@ def mamba_exact(kind: str, strategy: str) -> dict:
 def output_options() -> dict:
     """output_hidden_states in a forward (local, gathered equal to the unpatched ones), in generate() and
     output_attentions: refused naming the option."""
-    from hfcp.tiny import tiny_model
+    from hfcp.testing.tiny import tiny_model
 
     model = tiny_model("llama").eval()
     ids = torch.randint(3, 90, (2, 17), generator=torch.Generator().manual_seed(3))

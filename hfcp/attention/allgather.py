@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import all_gather_no_grad, group_rank, reduce_scatter_sum
+from ..distributed.collectives import all_gather_no_grad, group_rank, reduce_scatter_sum
 from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
 from .kernels import acc_dtype

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import all_gather
+from ..distributed.collectives import all_gather
 from .blocks import MaskSpec
 from .sinks import add_sink
 

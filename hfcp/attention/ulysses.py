@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import all_to_all_heads, all_to_all_sequence, group_rank, group_size
+from ..distributed.collectives import all_to_all_heads, all_to_all_sequence, group_rank, group_size
 from ..layout import StepBatch
 from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
 from .kernels import acc_dtype

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_to_all_heads, all_to_all_sequence, group_rank
+from ..distributed.collectives import all_to_all_heads, all_to_all_sequence, group_rank
 from ..layout import StepBatch
 from .blocks import MaskSpec
 from .ring import ring_backward, ring_forward

@@ -23,8 +23,8 @@ from accelerate.data_loader import IterableDatasetShard, prepare_data_loader
 from accelerate.utils import recursively_apply
 from transformers import Trainer
 
-from ..data import data_parallel_rank_and_size
-from ..mesh import as_timedelta, consecutive_block
+from ..distributed.data import data_parallel_rank_and_size
+from ..distributed.mesh import as_timedelta, consecutive_block
 from ..lm_hooks import DEFAULT_LOSS_CHUNK
 from ..patch import cp_state, find_pretrained, gather_sequence, patch
 from .parallelism import UNSET, accelerate_view, describe, handed_to_accelerate, layout_problems, requested_layout

@@ -1,4 +1,4 @@
-"""The `hfcp` console command. `hfcp verify ...`: see hfcp.verify."""
+"""The `hfcp` console command. `hfcp verify ...`: see hfcp.commands.verify."""
 from __future__ import annotations
 
 import argparse

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_no_grad
+from ..distributed.collectives import all_gather_no_grad
 
 LOSS_TOL, GRAD_TOL, LOGIT_TOL = 1e-5, 1e-4, 1e-4
 
@@ -86,7 +86,7 @@ def check_arguments(model: str, seq_len: int, data: str | None = None) -> None:
     tokens, and `seq_len` fits the model's position table where it has one.
 
     Raises:
-        VerifyError: exit_status 2 for bad arguments; 1 where hfcp.tiny builds no tiny random model of the type.
+        VerifyError: exit_status 2 for bad arguments; 1 where hfcp.testing.tiny builds no tiny random model of the type.
     """
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
@@ -97,11 +97,11 @@ def check_arguments(model: str, seq_len: int, data: str | None = None) -> None:
                               "has no tokenizer; leave out --data", 2)
         try:
             built = load_model(model)
-            from .tiny_vlm import image_batch
+            from ..testing.tiny_vlm import image_batch
 
             image_batch(built, seq_len)
         except Exception as e:
-            raise VerifyError(f"{_one_line(e)} (hfcp.tiny_vlm builds no tiny random {model} with images of "
+            raise VerifyError(f"{_one_line(e)} (hfcp.testing.tiny_vlm builds no tiny random {model} with images of "
                               f"--seq-len {seq_len}: pass a longer --seq-len or a checkpoint directory)", 1) from e
         return
     if _is_checkpoint(model):
@@ -140,7 +140,7 @@ def check_arguments(model: str, seq_len: int, data: str | None = None) -> None:
         what = f"the checkpoint {model}"
     elif model in CAUSAL_LM:
         if data is not None:
-            from .tiny import TINY
+            from ..testing.tiny import TINY
 
             raise VerifyError(f"--data {data} needs a checkpoint directory (its tokenizer): the tiny random {model} "
                               f"has a random vocabulary of {TINY['vocab_size']} ids and no tokenizer; leave out --data "
@@ -148,9 +148,9 @@ def check_arguments(model: str, seq_len: int, data: str | None = None) -> None:
         try:
             built = load_model(model)
         except Exception as e:
-            raise VerifyError(f"{_one_line(e)} (hfcp.tiny builds no tiny random model of {model}: verify a "
+            raise VerifyError(f"{_one_line(e)} (hfcp.testing.tiny builds no tiny random model of {model}: verify a "
                               f"checkpoint directory of it instead)", 1) from e
-        what = f"the tiny random {model} of hfcp.tiny"
+        what = f"the tiny random {model} of hfcp.testing.tiny"
     else:
         where = ("a directory without config.json" if Path(model).is_dir()
                  else "a file, not a directory" if Path(model).exists() else "no such directory")
@@ -202,10 +202,10 @@ def load_model(model: str, dtype=torch.float32):
         cls = _auto_class(AutoConfig.from_pretrained(model).model_type)
         return cls.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").train()
     if model in VLM_TYPES():
-        from .tiny_vlm import tiny_vlm
+        from ..testing.tiny_vlm import tiny_vlm
 
         return tiny_vlm(model).to(dtype)
-    from .tiny import tiny_model
+    from ..testing.tiny import tiny_model
 
     return tiny_model(model).to(dtype)
 
@@ -216,10 +216,10 @@ def _is_vlm(model) -> bool:
 
 def make_batch(model, seq_len: int, data: str | None) -> dict:
     """The inputs of the check: (1, seq_len) token ids (token_ids) as input_ids and labels; for a vision-language
-    model, two rows with an image each, built by hand (hfcp.tiny_vlm.image_batch; a checkpoint's ids then come from
+    model, two rows with an image each, built by hand (hfcp.testing.tiny_vlm.image_batch; a checkpoint's ids then come from
     the tiny vocabulary of placeholders, so a text-only check of its text with --data stays the causal-LM one)."""
     if _is_vlm(model) and data is None:
-        from .tiny_vlm import image_batch
+        from ..testing.tiny_vlm import image_batch
 
         return image_batch(model, seq_len)
     ids = token_ids(model, seq_len, data)

@@ -1,0 +1,1 @@
+"""Tiny random-weight models built from transformers' own configs, for tests, `hfcp verify` and examples."""
