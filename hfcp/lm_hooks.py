@@ -157,6 +157,13 @@ def take_packed_lengths(kw: dict, batch: int, length: int) -> None:
 DEFAULT_LOSS_CHUNK = 1024
 
 
+def check_loss_chunk(value, name: str = "loss_chunk"):
+    """value, when it is a loss chunk setting (a positive number of tokens, "auto" or None); else ValueError."""
+    if value not in (None, "auto") and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name}={value!r} must be a positive number of tokens, 'auto' or None")
+    return value
+
+
 def loss_chunk_for(setting, training: bool) -> int | None:
     """The loss chunk of one forward with labels: "auto" chunks (1024 tokens) in training forwards (module in
     train mode, grad enabled) and returns logits otherwise; an int always chunks; None never does."""
@@ -257,6 +264,7 @@ class ShardSequenceHook(ModelHook):
         st.fwd = ForwardData()
         kw = as_kwargs(module, args, kwargs)
         # how the model is called, not the data: these raise on the calling rank before any collective
+        chunk_setting = check_loss_chunk(kw.pop("hfcp_loss_chunk", st.loss_chunk), "hfcp_loss_chunk")
         cache = st.fwd.cache = generation_cache(st, module, kw, self.shards)
         outer_masks = check_call(kw)
         self._keep, self._chunk = 0, None
@@ -295,7 +303,7 @@ class ShardSequenceHook(ModelHook):
             st.fwd.targets = pad_to(targets_full, P, 1, IGNORE_INDEX).index_select(1, idx.to(labels.device))
             if st.want_token_stats:
                 st.fwd.token_stats = torch.zeros(3, dtype=torch.float64, device=x.device)
-            self._chunk = loss_chunk_for(st.loss_chunk, module.training and torch.is_grad_enabled())
+            self._chunk = loss_chunk_for(chunk_setting, module.training and torch.is_grad_enabled())
             if self._chunk:
                 self._chunk_head(module)
         return (), kw

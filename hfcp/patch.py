@@ -16,7 +16,7 @@ from .hf_attention import KEY, register_with_transformers
 from .introspect import (interface_attention_classes, logit_transform, not_through_interface, other_mixers,
                          router_aux_loss)
 from . import generation, mixers, rope, vision_hooks, vlm_hooks
-from .lm_hooks import ShardSequenceHook
+from .lm_hooks import ShardSequenceHook, check_loss_chunk
 from .vision_split import VisionTowerSplitHook, splits_frames, splits_tower
 from .vlm_hooks import LanguageModelHook, find_language_model, module_with_config
 from .linear_ce import IDENTITY, LogitTransform
@@ -221,6 +221,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             time from the last hidden states, so (tokens x vocab) logits are never materialised (out.logits is
             then None). None: the model computes its logits as usual and hfcp the loss from them. "auto"
             (default): 1024-token chunks in training forwards (train mode, grad enabled), logits otherwise.
+            One forward can take another setting with the keyword `hfcp_loss_chunk=` (the same values).
         ulysses_size: usp only: ranks per Ulysses group (None: the largest divisor of cp that divides both head
             counts).
         device_mesh: a torch DeviceMesh whose group is the CP group: a 1-D mesh such as `mesh["cp"]`, or a mesh
@@ -238,8 +239,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             dimension, a CP group inside the TP group, a tensor-parallel model with recurrent layers, a VLM or a
             vision model, pipeline stages, already patched with other settings.
     """
-    if loss_chunk not in (None, "auto") and (not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool) or loss_chunk < 1):
-        raise ValueError(f"loss_chunk={loss_chunk!r} must be a positive number of tokens, 'auto' or None")
+    check_loss_chunk(loss_chunk)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {sorted(STRATEGIES)}")
     inner = find_pretrained(model)

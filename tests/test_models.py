@@ -90,7 +90,9 @@ def test_default_loss_chunk_is_chunked_in_training_only(pool2):
 
     r = pool2.run(workers_loss.auto_default, dict(family="llama", strategy="ring", cp=2, B=2, L=30))[0]
     assert r["train_logits_none"] and r["loss"] < 1e-6, r
-    assert r["no_grad_logits"] == r["eval_logits"] == (2, 16, 64), r  # local logits: 30 tokens padded to 32, 2 ranks
+    assert r["no_grad_logits"] == r["eval_logits"] == r["after_logits"] == (2, 16, 64), r  # local: 30 -> 32 / 2 ranks
+    assert r["per_call_logits_none"], r  # hfcp_loss_chunk=8 chunks this forward only
+    assert r["per_call_refused"].startswith("hfcp_loss_chunk=0 must be a positive number of tokens"), r
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -73,7 +73,7 @@ def compare(model_type: str, config: dict, strategy: str = "ring", padding: bool
         out["aux"] = abs(float(got.aux_loss) - float(want.aux_loss)) / abs(float(want.aux_loss))
         out["aux_value"] = float(want.aux_loss)
         out["router_logits_local"] = got.router_logits[0].shape[0] == B * state.step.layout.local_len
-        from hfcp.integrations.trainer import gather_outputs  # HfcpTrainer's predictions: whole, in token order
+        from hfcp import gather_outputs  # HfcpTrainer's predictions: whole, in token order
 
         whole = gather_outputs(got, model)["router_logits"]
         out["router_logits_gathered"] = max(float((w - r).abs().max()) for w, r in zip(whole, want.router_logits))

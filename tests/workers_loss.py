@@ -59,7 +59,7 @@ def chunked_vs_logits(case: dict, chunk: int):
 
 def auto_default(case: dict):
     """hfcp.patch's default loss_chunk="auto": chunked (no logits) in training forwards, logits otherwise;
-    the same loss either way."""
+    the same loss either way; hfcp_loss_chunk= sets one forward's chunk and is checked."""
     batch = make_batch(case)
     model = _build(case)
     hfcp.patch(model, cp_size=case["cp"], strategy=case["strategy"])
@@ -68,6 +68,13 @@ def auto_default(case: dict):
         no_grad = model(**batch)
     model.eval()
     evaluated = model(**batch)
+    chunked_once = model(**batch, hfcp_loss_chunk=8)  # a per-call setting (what HfcpTrainer's evaluation passes)
+    after = model(**batch)  # the next forward: the patch's setting again
+    try:
+        model(**batch, hfcp_loss_chunk=0)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
     hfcp.unpatch(model)
     ref = _build(case)
     hfcp.patch(ref, cp_size=case["cp"], strategy=case["strategy"], loss_chunk=None)
@@ -77,5 +84,7 @@ def auto_default(case: dict):
         "train_logits_none": train.logits is None,
         "no_grad_logits": tuple(no_grad.logits.shape),
         "eval_logits": tuple(evaluated.logits.shape),
-        "loss": max(float((x.loss - ref_loss).abs() / ref_loss.abs()) for x in (train, no_grad, evaluated)),
+        "per_call_logits_none": chunked_once.logits is None, "after_logits": tuple(after.logits.shape),
+        "per_call_refused": refused,
+        "loss": max(float((x.loss - ref_loss).abs() / ref_loss.abs()) for x in (train, no_grad, evaluated, chunked_once)),
     }

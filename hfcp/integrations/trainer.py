@@ -7,67 +7,27 @@ What changes against the parent, and why:
   number of DP groups (not processes) before DDP averages the gradients over all processes, because the mean of
   the gradients over a CP group is already the gradient of that group's loss (DESIGN.md "Gradients");
 - counters: tokens seen and FLOPs count each DP group once, the total batch size is per DP group;
-- evaluate / predict: sequence outputs are gathered whole (original order and length), and the gathered
-  arrays keep one copy per DP group, without the samples repeated to fill the last batch (map-style and iterable
-  datasets), so they equal those of one process.
+- evaluate / predict: see evaluation.py (whole sequences, one copy per DP group, no repeated samples).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import multiprocessing
 
-import torch
 from accelerate.data_loader import IterableDatasetShard, prepare_data_loader
-from accelerate.utils import recursively_apply
 from transformers import Trainer
 
 from ..distributed.data import data_parallel_rank_and_size
 from ..distributed.mesh import as_timedelta, consecutive_block
-from ..lm_hooks import DEFAULT_LOSS_CHUNK
-from ..patch import cp_state, find_pretrained, gather_sequence, patch
+from ..patch import cp_state, find_pretrained, patch
+from .evaluation import CountedIterable, EvaluationMixin
 from .parallelism import UNSET, accelerate_view, describe, handed_to_accelerate, layout_problems, requested_layout
 
 log = logging.getLogger("hfcp")
 
 
-class CountedIterable(torch.utils.data.IterableDataset):
-    """An iterable dataset that counts the samples it yields, in shared memory (a DataLoader worker writes it too).
-
-    Over several DP groups, accelerate's IterableDatasetShard fills the last batch with samples from the first, and
-    (unlike for map-style data) accelerate does not know how many: the count says which are the dataset's own."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-        self.count = multiprocessing.Value("q", -1)  # -1: not iterated to its end yet
-
-    def __iter__(self):
-        self.count.value = n = -1
-        for n, sample in enumerate(self.dataset):
-            yield sample
-        self.count.value = n + 1
-
-    def __len__(self):
-        return len(self.dataset)  # TypeError when the dataset has no length, as before
-
-    @property
-    def sized(self) -> bool:
-        """Whether the dataset has a length: one process then truncates the gathered last batch to it, so that
-        batch weighs its own samples in the eval loss (without one, it weighs as a full batch)."""
-        try:
-            len(self.dataset)
-        except Exception:  # noqa: BLE001 - any error: no length, as accelerate's DataLoaderShard.begin decides
-            return False
-        return True
-
-    def __getattr__(self, name):  # set_epoch, generator, ...: the dataset's, as IterableDatasetShard looks for them
-        if name in ("dataset", "count") or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-
-class HfcpTrainerMixin:
+class HfcpTrainerMixin(EvaluationMixin):
     """The overrides shared by HfcpTrainer and HfcpSFTTrainer; put it before the Trainer class in the bases."""
 
     def _hfcp_init(self, patch_options: dict) -> None:
@@ -264,133 +224,6 @@ class HfcpTrainerMixin:
 
     def floating_point_ops(self, inputs) -> int:
         return super().floating_point_ops(inputs) if self._hfcp_cp[0] == 0 else 0  # summed over processes
-
-    # ---- evaluate / predict ---------------------------------------------------------------------------------
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The parent's step with whole-sequence outputs, no target from a sample repeated to even out the last
-        batch, and the loss of the whole step (all DP groups) on every rank: the gathered losses are then
-        truncated to the samples of the dataset, as they are for one process."""
-        if cp_state(model) is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        inputs = self._without_repeated_targets(inputs)
-
-        def whole_sequences(**kwargs):  # the parent only calls the model: give it whole-sequence outputs
-            return gather_outputs(model(**kwargs), model)
-
-        call = model if prediction_loss_only else whole_sequences
-        state = cp_state(model)
-        self._hfcp_step_loss_next = False
-        setting = state.loss_chunk
-        if prediction_loss_only and setting == "auto":  # no logits wanted: the chunked loss, as in training, so
-            state.loss_chunk = DEFAULT_LOSS_CHUNK  # evaluation never needs more memory than a training step
-        try:
-            loss, logits, labels = super().prediction_step(call, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        finally:
-            state.loss_chunk = setting
-        if loss is not None and self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs:
-            loss = self.accelerator.reduce(loss, "sum") / self.args.world_size  # dp * S_d / N -> sum_d S_d / N
-            self._hfcp_step_loss_next = True  # the evaluation loop's next gather is of this loss
-        return loss, logits, labels
-
-    def _counted_shard(self):
-        """The active data loader's IterableDatasetShard when hfcp counts its samples (CountedIterable), else None."""
-        gs = self.accelerator.gradient_state
-        shard = getattr(gs.active_dataloader, "dataset", None) if gs.in_dataloader else None
-        return shard if isinstance(getattr(shard, "dataset", None), CountedIterable) else None
-
-    def _remainder(self) -> int:
-        """At the end of a data loader: how many samples of its last batch (of all DP groups) are the dataset's
-        own, the others repeat samples to give every DP group a full batch; 0 or -1: none is repeated."""
-        shard = self._counted_shard()
-        if shard is None:  # map-style data: accelerate knows it
-            return self.accelerator.gradient_state.remainder
-        n = shard.dataset.count.value
-        return n % (shard.batch_size * shard.num_processes) if n >= 0 else -1
-
-    def _without_repeated_targets(self, inputs):
-        """In the last batch, accelerate repeats samples so that every DP group gets a full batch; they are
-        dropped from the gathered arrays, and here from the loss (labels -100), as one process never sees them."""
-        targets = {k: inputs[k] for k in ("labels", "shift_labels") if inputs.get(k) is not None}
-        if not self.accelerator.gradient_state.end_of_dataloader or not targets:
-            return inputs
-        remainder = self._remainder()
-        b = next(iter(targets.values())).shape[0]
-        if remainder <= 0 or (remainder % b == 0 and remainder // b >= data_parallel_rank_and_size(self.model)[1]):
-            return inputs  # no DP group holds a repeated sample
-        if any(t.is_floating_point() for t in targets.values()):  # decided alike on every rank
-            raise ValueError(
-                f"the last evaluation batch repeats samples to fill every DP group, and float labels cannot mark them "
-                f"ignored; make the dataset size a multiple of {b} x the number of DP groups, or set "
-                "dataloader_drop_last=True")
-        dp_rank, _ = data_parallel_rank_and_size(self.model)
-        repeated = torch.arange(dp_rank * b, (dp_rank + 1) * b) >= remainder
-        if not bool(repeated.any()):
-            return inputs
-        masked = {k: t.masked_fill(repeated.to(t.device).view(-1, *[1] * (t.dim() - 1)), -100) for k, t in targets.items()}
-        return {**inputs, **masked}
-
-    def evaluation_loop(self, dataloader, *args, **kwargs):
-        if cp_state(self.model) is not None:
-            shard = getattr(dataloader, "dataset", None)
-            if isinstance(getattr(shard, "dataset", None), CountedIterable) and dataloader.num_workers > 1:
-                raise ValueError(
-                    f"dataloader_num_workers={dataloader.num_workers} with an IterableDataset over "
-                    f"{shard.num_processes} DP groups: each worker would fill its own last batch with repeated "
-                    "samples, which hfcp cannot tell from the dataset's; evaluate with dataloader_num_workers <= 1, "
-                    "or on a map-style dataset")
-            self.gather_function = self._gather_once_per_dp_group  # the parent resets it at the end
-        return super().evaluation_loop(dataloader, *args, **kwargs)
-
-    def _gather_once_per_dp_group(self, data):
-        """accelerate's gather_for_metrics, keeping one copy per CP group (every rank of it holds the same)."""
-        acc = self.accelerator
-        leaders = list(cp_state(self.model).mesh.data_leaders)  # the first rank of each DP group, by dp rank
-        world = self.args.world_size
-
-        def first_of_each_group(t):  # (world * n, ...) in rank order -> (dp * n, ...)
-            return t.reshape(world, -1, *t.shape[1:])[leaders].reshape(-1, *t.shape[1:])
-
-        data = recursively_apply(first_of_each_group, acc.gather(data))
-        step_loss, self._hfcp_step_loss_next = self._hfcp_step_loss_next, False
-        if not acc.gradient_state.end_of_dataloader:
-            return data
-        shard = self._counted_shard()
-        if step_loss and shard is not None and not shard.dataset.sized:
-            # the loss of the whole last step (repeated samples left out), of an iterable dataset without a length:
-            # one process does not know how many samples its last batch holds and weights that loss as a full
-            # batch, so do not truncate it (with a length, or map-style data, one process truncates it as below)
-            return data
-        remainder = self._remainder()
-        if remainder > 0:  # drop the samples repeated to even batches
-            data = recursively_apply(lambda t: t[:remainder], data)
-        return data
-
-
-def gather_outputs(outputs, model):
-    """Replace the local sequence tensors of the output of the model's latest forward by the whole sequences:
-    those hfcp stamped, and in the fields it recorded as local those of the local length (DeepSpeed ZeRO-3's
-    forward hooks hand back new tensor objects, without the stamp)."""
-    state = cp_state(model)
-    local_len = state.step.layout.local_len
-
-    def whole(v, named):
-        if isinstance(v, tuple):
-            return tuple(whole(x, named) for x in v)
-        if isinstance(v, torch.Tensor) and (getattr(v, "hfcp_step", None) is not None
-                                            or (named and v.dim() >= 2 and v.shape[1] == local_len)):
-            return gather_sequence(v, model)
-        return v
-
-    if isinstance(outputs, tuple):
-        return whole(outputs, False)
-    for key in list(outputs.keys()):
-        if key == "router_logits":  # (tokens, experts) rows per MoE layer: whole, in the original token order
-            outputs[key] = tuple(gather_sequence(t.reshape(-1, local_len, t.shape[-1]), model).flatten(0, 1)
-                                 for t in outputs[key])
-        else:
-            outputs[key] = whole(outputs[key], key in state.fwd.local_output_names)
-    return outputs
-
 
 class HfcpTrainer(HfcpTrainerMixin, Trainer):
     """`transformers.Trainer` for a context-parallel model: every argument of Trainer, plus hfcp.patch's options.
