@@ -3,7 +3,8 @@
 - which modules compute attention through transformers' AttentionInterface (their forward looks the function
   up in ALL_ATTENTION_FUNCTIONS, so setting the model's attn_implementation to hfcp's key reroutes them);
 - whether every decoder layer mixes tokens through such an attention module and nothing else (an SSM,
-  convolution or recurrent mixer would run on a rank's shard alone);
+  convolution or recurrent mixer would run on a rank's shard alone), and whether any convolution over tokens sits
+  outside the mixers a record makes exact (even inside an attention module);
 - what the causal LM does to its logits after the output head (scale, softcap): the chunked loss intercepts the
   head, so it applies the same transform; a forward it cannot read computes its loss from the model's own logits.
 
