@@ -17,7 +17,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
                    sliding_window=None, is_causal=None, softcap=None, **kwargs):
     """transformers attention function: q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> ((B, L/cp, H, D), None)."""
     state = getattr(module, "_hfcp_state", None)
-    step = getattr(attention_mask, "hfcp_step", None)  # the step this call belongs to (see lm_hooks.step_token)
+    step = getattr(attention_mask, "hfcp_step", None)  # the step this call belongs to (see step_token.py)
     if state is not None and step is None and state.patcher.embeddings_classes:
         check_token_model_mask(module, attention_mask)
         step = state.step  # token models: no mask argument; their step depends on the token count only
@@ -35,6 +35,12 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     if isinstance(step, DecodeStep):
         return decode_call(module, query, key, value, step, state, scaling, sliding_window, is_causal, softcap, sink)
     local = step.layout.local_len
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"{type(module).__name__} attends {query.shape[2]} queries to {key.shape[2]} keys: hfcp's context-parallel "
+            "attention computes attention over the model's own tokens, one key per query outside generation's cache; "
+            "keys a model adds, drops or compresses itself cannot be split exactly over the ranks, so this model is not "
+            "supported by hfcp (see README, Support matrix)")
     if query.shape[2] != local or key.shape[2] != local:
         raise ValueError(
             f"hfcp attention got {query.shape[2]} queries / {key.shape[2]} keys but the step layout holds "

@@ -3,7 +3,8 @@
 - which modules compute attention through transformers' AttentionInterface (their forward looks the function
   up in ALL_ATTENTION_FUNCTIONS, so setting the model's attn_implementation to hfcp's key reroutes them);
 - whether every decoder layer mixes tokens through such an attention module and nothing else (an SSM,
-  convolution or recurrent mixer would run on a rank's shard alone);
+  convolution or recurrent mixer would run on a rank's shard alone), and whether any convolution over tokens sits
+  outside the mixers a record makes exact (even inside an attention module);
 - what the causal LM does to its logits after the output head (scale, softcap): the chunked loss intercepts the
   head, so it applies the same transform; a forward it cannot read computes its loss from the model's own logits.
 
@@ -109,6 +110,29 @@ def other_mixers(model, attention_classes: tuple[str, ...], handled: tuple[str, 
                 and not _inside_attention(model, name, known)):
             return (f"{name} ({type(m).__name__}) is a sequence mixer other than attention; under CP it would see "
                     "only its rank's shard")
+    return None
+
+
+def token_convolution(model, exempt: tuple[str, ...] = ()) -> str | None:
+    """Why `model` mixes tokens through a convolution that would see only its rank's shard, or None.
+
+    A convolution whose kernel spans more than one position (nn.Conv1d/2d/3d, kernel_size > 1 along any axis) mixes
+    neighbouring tokens wherever it sits, even inside an attention module (a convolution over the projected queries
+    and keys), and no attention function sees it. Refused unless it lies inside a module of `exempt`: a mixer its
+    record makes exact (Mamba's causal convolution with its halo) or the embeddings of a token model, which run on the
+    whole input before hfcp shards their output (a vision patch embedding).
+    """
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.modules.conv._ConvNd) or all(k == 1 for k in m.kernel_size):
+            continue
+        # the classes of the modules that hold it, outermost first (the model itself first)
+        owners = [type(model.get_submodule(".".join(name.split(".")[:k]))).__name__ for k in range(name.count(".") + 1)]
+        if any(o in exempt for o in owners + [type(m).__name__]):
+            continue
+        inside = f" inside {owners[-1]}" if len(owners) > 1 else ""
+        return (f"{name} ({type(m).__name__}, kernel_size={tuple(m.kernel_size)}){inside} convolves over neighbouring "
+                "tokens outside transformers' AttentionInterface, so under CP it would see only its rank's shard (and "
+                "miss the tokens before it on the previous rank)")
     return None
 
 

@@ -12,6 +12,7 @@ from .forward_data import ForwardData
 from .generation import generation_cache, prepare_decode
 from .layout import Layout, build_step_batch, document_ids, pad_to
 from .outer_mask import resolve_attention_mask, step_blocks
+from .step_token import step_token
 from .linear_ce import add_token_stats
 from .router_loss import global_aux
 from .loss import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean, shift_labels
@@ -27,18 +28,6 @@ def as_kwargs(module, args, kwargs) -> dict:
     if len(args) > len(params):
         raise TypeError(f"{type(module).__name__}.forward got {len(args)} positional arguments")
     return {**named, **kwargs}
-
-
-def step_token(sb, device) -> torch.Tensor:
-    """A (1, 1, 1, 1) stand-in for the 4D mask that carries this step's StepBatch to every attention call.
-
-    transformers passes a 4D mask through unchanged to each layer, so the step travels with the call
-    arguments: a layer recomputed by gradient checkpointing sees its own step even after later forwards.
-    No L x L mask is ever built: attention derives block masks from global indices.
-    """
-    token = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=device)
-    token.hfcp_step = sb
-    return token
 
 
 def check_call(kw: dict) -> dict | None:

@@ -1,7 +1,7 @@
 """Sequence mixers other than attention that a record makes exact (Patcher.mixers): hfcp binds the record's forward
 to each such module while patched.
 
-Attention calls get their step from the mask argument (lm_hooks.step_token), so a layer recomputed by gradient
+Attention calls get their step from the mask argument (step_token.py), so a layer recomputed by gradient
 checkpointing after a later forward still sees its own step. A mixer gets no such argument and reads the step of
 the latest forward (state.step). transformers checkpoints a layer's forward inside its module hooks, so a recompute
 cannot be told apart from the inside; instead a forward pre-hook on each decoder layer that holds a mixer refuses a

@@ -14,7 +14,7 @@ from .attention import STRATEGIES, build_usp_groups, check_heads, check_ulysses_
 from .distributed.collectives import all_gather
 from .hf_attention import KEY, register_with_transformers
 from .introspect import (interface_attention_classes, logit_transform, not_through_interface, other_mixers,
-                         router_aux_loss)
+                         router_aux_loss, token_convolution)
 from . import generation, mixers, rope, vision_hooks, vlm_hooks
 from .lm_hooks import ShardSequenceHook, check_loss_chunk
 from .vision_split import VisionTowerSplitHook, splits_frames, splits_tower
@@ -88,8 +88,9 @@ _HEADS = {  # transformers' auto mappings -> how hfcp treats the head
 def patcher_for(inner: PreTrainedModel) -> Patcher:
     """The model type's Patcher, with its attention classes read from this model for a family registered with
     read_from_model. Every record, whoever registered it, is held to the same model checks: its attention classes
-    compute attention through transformers' AttentionInterface, they are the only sequence mixers, and the model
-    does not compute positions from input_ids. A record with skip_model_checks=True skips them (its author takes
+    compute attention through transformers' AttentionInterface, they are the only sequence mixers (no convolution
+    over tokens outside the record's mixers and token embeddings either), and the model does not compute positions
+    from input_ids. A record with skip_model_checks=True skips them (its author takes
     responsibility; hfcp logs a warning).
 
     Raises:
@@ -129,8 +130,10 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
         return dataclasses.replace(patcher, attention_classes=classes, read_from_model=False)
     reason = None if classes or patcher.mixers else ("none of its modules computes attention through transformers' "
                                                      "AttentionInterface (its sequence mixing happens elsewhere)")
-    reason = reason or not_through_interface(target, classes) or other_mixers(
-        target, classes, tuple(name for name, _ in patcher.mixers), patcher.token_wise_classes)
+    handled = tuple(name for name, _ in patcher.mixers)
+    reason = (reason or not_through_interface(target, classes)
+              or other_mixers(target, classes, handled, patcher.token_wise_classes)
+              or token_convolution(target, handled + patcher.embeddings_classes))
     if reason is not None:
         how = "" if patcher.read_from_model else (" (checked for the record registered for it; a record that "
                                                   "knows better can pass skip_model_checks=True)")

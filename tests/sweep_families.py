@@ -334,3 +334,34 @@ def user_record(model_type: str, classes: tuple, skip: bool = False) -> str:
         REGISTRY._patchers.pop(model_type)
         if saved is not None:
             REGISTRY._patchers[model_type] = saved
+
+
+def model_check_refusals() -> tuple[int, dict]:
+    """(families checked, {model_type: reason}) for every family hfcp ships whose tiny model the checks every record
+    goes through at patch time refuse (patch.patcher_for: attention through the interface, no other sequence mixer,
+    no convolution over tokens outside the record's mixers). One process, no collective: seconds per family."""
+    import warnings
+
+    from hfcp.patch import patcher_for
+    from hfcp.registry import REGISTRY
+    from hfcp.tiny_vlm import tiny_vlm
+    from workers_vision import build as build_vision
+
+    checked, refused = 0, {}
+    for t in sorted(REGISTRY._patchers):
+        record = REGISTRY.get(t)
+        if record.unsupported_reason:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = (build_vision(t, "cls") if record.embeddings_classes else
+                         tiny_vlm(t) if record.language_model else build(t))
+        except Exception:  # noqa: BLE001 - a text config of a VLM (no causal-LM class), a tiny config that fails
+            continue
+        checked += 1
+        try:
+            patcher_for(model)
+        except ValueError as e:
+            refused[t] = str(e)
+    return checked, refused

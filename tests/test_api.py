@@ -146,3 +146,20 @@ def test_layout_volume_by_dimension():
     assert round(b["tp"] / 2**30, 1) == 32.0 and round(hsdp["dp_replicate"] / 2**30, 1) == 1.9  # README
     with pytest.raises(ValueError, match="tp=3 must divide"):
         layout_bytes(**shape, tp=3)
+
+
+def test_the_step_mask_stand_in_refuses_a_mask_the_model_computes_from_it():
+    import torch.nn.functional as F
+
+    from hfcp.step_token import step_token
+
+    token = step_token("step", "cpu")
+    assert len(token.shape) == 4 and token.dtype == torch.bool and token.to(torch.bool) is token  # what code reads
+    assert token.to(torch.float32).hfcp_step == "step" and token.detach().hfcp_step == "step"  # copies stand for it
+    extend = torch.zeros(2, 1, 3, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"test_api\.py:\d+ \(<lambda>\) computes a new tensor from its attention "
+                                         r"mask \(cat\); it failed on hfcp's stand-in: RuntimeError: Sizes"):
+        (lambda: torch.cat([token, extend], dim=-1))()
+    for op in (lambda: F.pad(token, (0, 3)), lambda: token[..., :1], lambda: token * 2):
+        with pytest.raises(ValueError, match=r"test_api\.py:\d+ .*not supported by hfcp"):
+            op()

@@ -58,6 +58,13 @@ def test_records_a_user_registers_are_held_to_the_same_checks(pool2, sweep):
     assert "(RobertaSelfAttention, inside it, does: name that class)" in reasons["roberta"], reasons["roberta"]
 
 
+def test_every_family_hfcp_ships_passes_the_model_checks():
+    # the checks every record goes through at patch time refuse no shipped family (a convolution over tokens is
+    # allowed inside a record's mixers and a token model's embeddings only)
+    checked, refused = S.model_check_refusals()
+    assert checked >= 140 and not refused, (checked, refused)
+
+
 def test_a_user_record_naming_the_right_class_is_still_checked_and_can_opt_out(pool2):
     # RoBERTa computes position ids from input_ids: a record naming its interface class was silently wrong before
     msg = pool2.run(S.user_record, "roberta", ("RobertaSelfAttention",))[0]

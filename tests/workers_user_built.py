@@ -73,3 +73,75 @@ def output_options() -> dict:
             except ValueError as e:
                 out[name] = str(e)
     return out
+
+
+def user_family_model(kind: str):
+    """A family hfcp ships no record for, from its config class with small sizes (the fields a checkpoint has):
+    ZAYA (a convolution over the projected queries and keys inside its attention module) or DeepSeek-V4 (attention
+    over compressed keys with its own masks and sinks)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
+                  moe_intermediate_size=32, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "zaya":
+        model = T.ZayaForCausalLM(T.ZayaConfig(**common, num_key_value_heads=2, num_experts=4, router_hidden_size=16))
+    else:
+        model = T.DeepseekV4ForCausalLM(T.DeepseekV4Config(
+            **common, num_key_value_heads=1, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, o_groups=2,
+            o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=4, sliding_window=8, hc_mult=2,
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}))
+    return model.float().train()
+
+
+def user_record(kind: str, skip_model_checks: bool = False) -> dict:
+    """The family patched at cp 2 (ring) under a record a user writes for it (its attention classes named, nothing
+    else) and run forward and backward: {"refused": hfcp's message} or the loss and worst gradient error against the
+    unpatched model. The record is removed again afterwards."""
+    from hfcp.registry import REGISTRY
+
+    ref, model = user_family_model(kind), user_family_model(kind)
+    attention = next(type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention"))
+    ids = torch.randint(3, 90, (2, 32), generator=torch.Generator().manual_seed(2))
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    hfcp.register_patcher(hfcp.Patcher(model_type=model.config.model_type, attention_classes=(attention,),
+                                       skip_model_checks=skip_model_checks))
+    try:
+        hfcp.patch(model, cp_size=2, timeout=30)
+        got = model(input_ids=ids, labels=ids).loss
+        got.backward()
+    except ValueError as e:  # hfcp's refusals (UnsupportedModelError is one)
+        return {"refused": f"{type(e).__name__}: {e}"}
+    finally:
+        hfcp.unpatch(model)
+        REGISTRY._patchers.pop(model.config.model_type)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    return {"loss": (got.item(), want.item()), "grad_err": grad_error(averaged_grads(model), ref_grads)}
+
+
+def extra_keys() -> str:
+    """A tiny Llama whose attention gets two keys more than its queries (appended after rope, as a model that adds
+    keys of its own would), patched at cp 2: hfcp's refusal."""
+    from transformers.models.llama import modeling_llama
+
+    from hfcp.tiny import tiny_model
+
+    rope = modeling_llama.apply_rotary_pos_emb
+
+    def with_extra_keys(q, k, cos, sin, *args, **kwargs):
+        q, k = rope(q, k, cos, sin, *args, **kwargs)
+        return q, torch.cat([k, k[:, :, :2]], dim=2)
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(2))
+    hfcp.patch(model, cp_size=2, timeout=30)
+    modeling_llama.apply_rotary_pos_emb = with_extra_keys
+    try:
+        model(input_ids=ids, labels=ids)
+        return "ran"
+    except ValueError as e:
+        return str(e)
+    finally:
+        modeling_llama.apply_rotary_pos_emb = rope
+        hfcp.unpatch(model)
