@@ -2,7 +2,8 @@
 from .distributed.collectives import CollectiveError
 from .distributed.data import average_gradients, data_parallel_rank_and_size
 from .outputs import gather_outputs
-from .patch import cp_state, gather_sequence, patch, unpatch
+from .api import gather_sequence, patch, unpatch
+from .state import cp_state
 from .registry import Patcher, UnsupportedModelError, register_patcher, supported_model_types
 
 from . import patches  # noqa: E402,F401  (registers the families; installed from the repo's patches/)

@@ -15,6 +15,7 @@ from .outer_mask import resolve_attention_mask, step_blocks
 from .step_token import step_token
 from .linear_ce import add_token_stats
 from .router_loss import global_aux
+from .state import check_loss_chunk
 from .loss import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean, shift_labels
 
 
@@ -146,13 +147,6 @@ def take_packed_lengths(kw: dict, batch: int, length: int) -> None:
 DEFAULT_LOSS_CHUNK = 1024
 
 
-def check_loss_chunk(value, name: str = "loss_chunk"):
-    """value, when it is a loss chunk setting (a positive number of tokens, "auto" or None); else ValueError."""
-    if value not in (None, "auto") and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"{name}={value!r} must be a positive number of tokens, 'auto' or None")
-    return value
-
-
 def loss_chunk_for(setting, training: bool) -> int | None:
     """The loss chunk of one forward with labels: "auto" chunks (1024 tokens) in training forwards (module in
     train mode, grad enabled) and returns logits otherwise; an int always chunks; None never does."""
@@ -254,6 +248,7 @@ class ShardSequenceHook(ModelHook):
         kw = as_kwargs(module, args, kwargs)
         # how the model is called, not the data: these raise on the calling rank before any collective
         chunk_setting = check_loss_chunk(kw.pop("hfcp_loss_chunk", st.loss_chunk), "hfcp_loss_chunk")
+        token_stats = kw.pop("hfcp_token_stats", False)  # [targets, top-1 hits, entropy sum] (HfcpSFTTrainer's metrics)
         cache = st.fwd.cache = generation_cache(st, module, kw, self.shards)
         outer_masks = check_call(kw)
         self._keep, self._chunk = 0, None
@@ -290,7 +285,7 @@ class ShardSequenceHook(ModelHook):
         if labels is not None:
             st.fwd.denominator = num_items if num_items is not None else (targets_full != IGNORE_INDEX).sum()
             st.fwd.targets = pad_to(targets_full, P, 1, IGNORE_INDEX).index_select(1, idx.to(labels.device))
-            if st.want_token_stats:
+            if token_stats:
                 st.fwd.token_stats = torch.zeros(3, dtype=torch.float64, device=x.device)
             self._chunk = loss_chunk_for(chunk_setting, module.training and torch.is_grad_enabled())
             if self._chunk:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .patch import cp_state, gather_sequence
+from .api import gather_sequence
+from .state import cp_state
 
 
 def gather_outputs(outputs, model):

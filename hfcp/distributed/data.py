@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from .mesh import consecutive_block
-from ..patch import cp_state, find_pretrained
+from ..state import cp_state, find_pretrained
 from .tensor_parallel import tensor_parallel_ranks
 
 

@@ -14,7 +14,7 @@ from accelerate.utils import recursively_apply
 from ..distributed.data import data_parallel_rank_and_size
 from ..lm_hooks import DEFAULT_LOSS_CHUNK
 from ..outputs import gather_outputs
-from ..patch import cp_state
+from ..state import cp_state
 
 
 class CountedIterable(torch.utils.data.IterableDataset):

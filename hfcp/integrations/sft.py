@@ -14,7 +14,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import torch
 
-from ..patch import cp_state
+from ..state import cp_state
 from .trainer import UNSET, HfcpTrainerMixin
 
 
@@ -33,9 +33,6 @@ class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
         super().__init__(*args, **kwargs)
         self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
                              check_inputs=check_inputs))
-        state = cp_state(self.model)
-        if state is not None:
-            state.want_token_stats = True
 
     def _hfcp_refuse_unsupported(self) -> None:
         problems = []
@@ -53,7 +50,7 @@ class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
         if cp_state(self.model) is None:  # one process or cp_size 1: SFTTrainer as it is
             return super(HfcpTrainerMixin, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
         mode = "train" if self.model.training else "eval"
-        inputs = {**inputs, "use_cache": False}
+        inputs = {**inputs, "use_cache": False, "hfcp_token_stats": True}  # the forward sums what the metrics need
         if num_items_in_batch is None and mode == "eval":
             # SFTTrainer evaluates without a count, as sum / max(targets, 1): a batch without targets counts as 0,
             # not NaN (which the Trainer would drop). The count is over all DP groups when tokens are averaged

@@ -20,7 +20,8 @@ from transformers import Trainer
 
 from ..distributed.data import data_parallel_rank_and_size
 from ..distributed.mesh import as_timedelta, consecutive_block
-from ..patch import cp_state, find_pretrained, patch
+from ..api import patch
+from ..state import cp_state, find_pretrained
 from .evaluation import CountedIterable, EvaluationMixin
 from .parallelism import UNSET, accelerate_view, describe, handed_to_accelerate, layout_problems, requested_layout
 
@@ -54,8 +55,7 @@ class HfcpTrainerMixin(EvaluationMixin):
         if state is None:
             patch(self.model, **given)
         else:
-            wanted = {k: as_timedelta(v) if k == "timeout" else v for k, v in given.items()}
-            differ = {k: (state.settings[k], v) for k, v in wanted.items() if state.settings[k] != v}
+            differ = state.settings.differences(given)
             if differ:
                 raise ValueError(f"the model is patched already with other settings ({differ}: patched, given); "
                                  "pass the model unpatched, or leave these options out")
@@ -112,7 +112,7 @@ class HfcpTrainerMixin(EvaluationMixin):
             return
         if strategy is UNSET:  # the strategy hfcp will run: a patched model's, else hfcp.patch's default
             state = cp_state(self.model) if self.model is not None else None
-            strategy = state.settings["strategy"] if state is not None else "ring"
+            strategy = state.settings.strategy if state is not None else "ring"
         problems = layout_problems(layout, self.args.world_size, cp_size, strategy)
         if problems:
             raise ValueError(f"{type(self).__name__} cannot run this layout exactly: {'; '.join(problems)}")

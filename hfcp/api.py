@@ -1,0 +1,123 @@
+"""hfcp.patch / hfcp.unpatch / hfcp.gather_sequence: the one-line surgery and its inverse.
+
+patch reads as a script: the settings checked, the model's record and plan resolved (hfcp/resolve.py: everything
+that can refuse, before any collective), the mesh built, then one attach per model kind (hfcp/attach.py), each
+change pushing its undo on the state, which unpatch pops.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .attach import ATTACH, attach_attention
+from .distributed.collectives import all_gather
+from .distributed.mesh import build_mesh
+from .hf_attention import register_with_transformers
+from .linear_ce import IDENTITY
+from .resolve import attention_group, patcher_for, plan_patch, router_aux_for
+from .state import CPState, Settings, cp_state, find_pretrained
+
+log = logging.getLogger("hfcp")
+
+
+def patch(model, cp_size: int | None = None, strategy: str = "ring", process_group=None, timeout=None,
+          check_inputs: bool = True, loss_chunk: int | str | None = "auto", ulysses_size: int | None = None,
+          device_mesh=None):
+    """Make `model` context-parallel in place and return it.
+
+    Args:
+        model: a transformers PreTrainedModel, PEFT-wrapped or not, optionally inside DDP.
+        cp_size: ranks per CP group (None: the whole world, or the size of `process_group`).
+        strategy: "ring", "allgather", "ulysses" or "usp" (Ulysses inside groups of `ulysses_size` consecutive
+            ranks of the CP group, ring across them).
+        process_group: an existing group to use as the CP group: any set of ranks. Every rank of the world then
+            calls patch: the groups are compared, and their data-parallel coordinates read, in one all-gather.
+        timeout: seconds or timedelta bounding every collective on the CP group.
+        check_inputs: verify each step (one tiny all-gather) that every rank of a CP group got the same batch.
+        loss_chunk: how a causal LM's loss is computed when labels are given. An int: this many tokens at a
+            time from the last hidden states, so (tokens x vocab) logits are never materialised (out.logits is
+            then None). None: the model computes its logits as usual and hfcp the loss from them. "auto"
+            (default): 1024-token chunks in training forwards (train mode, grad enabled), logits otherwise.
+            One forward can take another setting with the keyword `hfcp_loss_chunk=` (the same values).
+        ulysses_size: usp only: ranks per Ulysses group (None: the largest divisor of cp that divides both head
+            counts).
+        device_mesh: a torch DeviceMesh whose group is the CP group: a 1-D mesh such as `mesh["cp"]`, or a mesh
+            with a dimension named "cp". Instead of `process_group`.
+
+    A model that transformers loaded tensor-parallel (`tp_plan`, DistributedConfig) keeps its TP: each rank's
+    attention sees its TP rank's heads, and the CP groups run across TP groups (hfcp builds them so with
+    `cp_size`; a given group must share no rank with the TP group).
+    Returns:
+        The same model object. With one process or cp_size 1 the model is left unchanged.
+    Raises:
+        UnsupportedModelError: no patcher for config.model_type, or an unsupported head.
+        ValueError: unknown strategy, bad cp_size / timeout / check_inputs / loss_chunk, ulysses with indivisible
+            heads, a process_group without this rank, groups the ranks disagree on, a device_mesh without a CP
+            dimension, a CP group inside the TP group, a tensor-parallel model with recurrent layers, a VLM or a
+            vision model, pipeline stages, already patched with other settings.
+    """
+    settings = Settings(cp_size, strategy, process_group, timeout, check_inputs, loss_chunk, ulysses_size, device_mesh)
+    inner = find_pretrained(model)
+    patcher = patcher_for(inner)  # raises on every rank before any collective
+    plan = plan_patch(inner, patcher, settings)
+    existing = cp_state(inner)
+    if existing is not None:
+        differ = existing.settings.differences(settings)
+        if not differ:
+            return model
+        raise ValueError(f"model is already patched with other settings "
+                         f"({', '.join(f'{k}={a!r}, now {b!r}' for k, (a, b) in differ.items())}); "
+                         "call hfcp.unpatch(model) before patching with other settings")
+    mesh = build_mesh(settings.cp_size, plan.process_group, settings.timeout, plan.tp_ranks)
+    if mesh is None:
+        log.info("hfcp: one process or cp_size=1: %s runs unchanged", type(inner).__name__)
+        return model
+    state = CPState(settings, mesh, plan.patcher, plan.head, attn_owner=plan.owner,
+                    original_attn=plan.owner.config._attn_implementation, loss_chunk=plan.loss_chunk,
+                    logit_transform=plan.transform or IDENTITY, modules=list(plan.modules),
+                    attention_group=attention_group(inner, plan, mesh, settings),
+                    router_aux=router_aux_for(inner, plan))
+    register_with_transformers()
+    attach_attention(state, inner, plan)
+    ATTACH[plan.kind](state, inner, plan)
+    log.info("hfcp: %s patched: strategy=%s cp=%d (dp=%d), %d attention modules",
+             type(inner).__name__, strategy, mesh.cp_size, mesh.dp_size, len(plan.modules))
+    return model
+
+
+def unpatch(model):
+    """Undo `patch`: original attention implementation, no hfcp hook (other hooks kept). Returns model."""
+    state = cp_state(model)
+    while state is not None and state.undo:
+        state.undo.pop()()
+    return model
+
+
+def gather_sequence(tensor: torch.Tensor, model, dim: int = 1) -> torch.Tensor:
+    """The full sequence (original order and length) of a local sequence output such as logits.
+
+    Applies to outputs of the model's latest forward (the layout is per step); gather before the next forward.
+    The model's own outputs carry their step: one from an earlier forward, or a dim other than their sequence
+    dimension, is refused (ValueError).
+
+    Differentiable: the backward sums over the CP group and returns each rank its slice (consistent with the
+    loss convention, so mean-over-group grads stay exact). Unpatched models: returns `tensor` unchanged.
+    """
+    state = cp_state(model)
+    if state is None or getattr(tensor, "hfcp_whole", False):  # (logits_to_keep's logits: the same on every rank)
+        return tensor
+    if state.step is None:
+        raise RuntimeError("gather_sequence needs the output of a forward of the patched model")
+    layout = state.step.layout
+    stamp = getattr(tensor, "hfcp_step", None)  # set on the model's own sequence outputs
+    if stamp is not None and stamp is not state.step:
+        raise ValueError("gather_sequence got an output of an earlier forward; the layout is per step, so gather "
+                         "each output before the next forward of the model")
+    if stamp is not None and dim % tensor.dim() != 1:
+        raise ValueError(f"gather_sequence(dim={dim}) of a model output of shape {tuple(tensor.shape)}: its sequence "
+                         "dimension is 1 (batch, seq, ...); pass dim=1")
+    if tensor.shape[dim] != layout.local_len:
+        raise ValueError(f"tensor has {tensor.shape[dim]} tokens along dim {dim}; the local slice has {layout.local_len}")
+    full = all_gather(tensor, state.mesh.cp_group, dim)
+    return full.index_select(dim, layout.gathered_inverse(full.device))

@@ -1,0 +1,96 @@
+"""What hfcp.patch attaches to a model, one function per model kind; each change pushes its undo on the state.
+
+- `attach_attention`: every kind: the record's other mixers bound, hfcp's attention function set, modules marked.
+- `attach_causal_lm`: the sequence hook (shard, loss), generate(), the router aux loss, dynamic RoPE.
+- `attach_vlm`: the loss at the outer model, the sharding at its language model's input, the vision tower split.
+- `attach_vision`: a token model (ViT, video): the patch embeddings sharded, the head's input gathered.
+"""
+from __future__ import annotations
+
+import functools
+
+from accelerate.hooks import ModelHook, SequentialHook, add_hook_to_module, remove_hook_from_module
+
+from . import generation, mixers, rope, vision_hooks, vlm_hooks
+from .hf_attention import KEY
+from .lm_hooks import ShardSequenceHook
+from .resolve import Plan
+from .router_loss import RouterStatsHook
+from .state import CPState
+from .vision_split import VisionTowerSplitHook, splits_frames
+from .vlm_hooks import LanguageModelHook
+
+
+def attach_attention(state: CPState, inner, plan: Plan) -> None:
+    """The record's other mixers bound (first: they may refuse), hfcp's attention function set on the owner."""
+    restores = mixers.bind(state, plan.owner, plan.patcher)
+    state.undo.append(functools.partial(mixers.unbind, restores))
+    plan.owner.set_attn_implementation(KEY)
+    state.undo.append(functools.partial(plan.owner.set_attn_implementation, state.original_attn))
+    marked = [inner, *plan.modules]
+    for m in marked:
+        m._hfcp_state = state
+    state.undo.append(functools.partial(_unmark, marked))
+
+
+def attach_causal_lm(state: CPState, inner, plan: Plan) -> None:
+    add_hook(state, inner, ShardSequenceHook(state))
+    if state.head == "causal_lm" and hasattr(inner, "generate"):
+        _wrap_generate(state, inner)
+    if state.router_aux is not None and not isinstance(state.router_aux, str):
+        add_hook(state, inner.base_model, RouterStatsHook(state))
+    _attach_rope(state, plan.owner)
+
+
+def attach_vlm(state: CPState, inner, plan: Plan) -> None:
+    add_hook(state, inner, ShardSequenceHook(state, shards=False))  # the loss at the outer model
+    add_hook(state, plan.owner, LanguageModelHook(state))  # the sharding at its language model's input
+    state.undo.append(vlm_hooks.clear_layout_after(inner, state))
+    if hasattr(inner, "generate"):
+        _wrap_generate(state, inner)
+    if plan.patcher.vision_tower:  # each rank encodes its share of the images
+        tower = inner.get_submodule(plan.patcher.vision_tower)
+        add_hook(state, tower, VisionTowerSplitHook(state, splits_frames(getattr(tower, "config", None))))
+    _attach_rope(state, plan.owner)  # the language model's rotary modules (the vision tower is not sharded)
+
+
+def attach_vision(state: CPState, inner, plan: Plan) -> None:
+    for module, hook in vision_hooks.attach(inner, state, plan.embeddings):
+        state.undo.append(functools.partial(remove_hook, module, hook))
+
+
+ATTACH = {"lm": attach_causal_lm, "vlm": attach_vlm, "vision": attach_vision}
+
+
+def add_hook(state: CPState, module, hook: ModelHook) -> None:
+    """`hook` appended to the module's accelerate hooks (others kept); its removal pushed on the undo stack."""
+    add_hook_to_module(module, hook, append=True)
+    state.undo.append(functools.partial(remove_hook, module, hook))
+
+
+def remove_hook(module, ours: ModelHook) -> None:
+    """Remove `ours` from module, keeping any other accelerate hook chained with it."""
+    if hasattr(ours, "restore_pending_head"):  # a chunked forward that raised may have left the head swapped
+        ours.restore_pending_head()
+    hook = getattr(module, "_hf_hook", None)
+    others = [h for h in hook.hooks if h is not ours] if isinstance(hook, SequentialHook) else []
+    remove_hook_from_module(module)
+    if "forward" in module.__dict__ and not others:
+        del module.forward  # back to the class's forward
+    for h in others:
+        add_hook_to_module(module, h, append=True)
+
+
+def _wrap_generate(state: CPState, inner) -> None:
+    generation.wrap_generate(inner, state.mesh.cp_group)
+    state.undo.append(functools.partial(generation.unwrap_generate, inner))
+
+
+def _attach_rope(state: CPState, owner) -> None:
+    restores = rope.attach(rope.dynamic_rope_modules(owner), state)
+    state.undo.append(functools.partial(rope.detach, restores))
+
+
+def _unmark(modules: list) -> None:
+    for m in modules:
+        del m._hfcp_state

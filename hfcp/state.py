@@ -1,0 +1,123 @@
+"""What hfcp holds for a patched model, one object per lifetime.
+
+- `Settings` (frozen): what the caller asked `hfcp.patch` for; compared when a patched model meets options again.
+- `CPState`: what patch decided from the settings and the model (fixed until unpatch), the undo stack that
+  `unpatch` pops, and the data of the current step and forward (replaced by each forward).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from .attention import STRATEGIES
+from .distributed.mesh import Mesh, as_timedelta
+from .forward_data import ForwardData
+from .layout import StepBatch
+from .linear_ce import IDENTITY, LogitTransform
+from .registry import Patcher
+
+
+def check_loss_chunk(value, name: str = "loss_chunk"):
+    """value, when it is a loss chunk setting (a positive number of tokens, "auto" or None); else ValueError."""
+    if value not in (None, "auto") and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name}={value!r} must be a positive number of tokens, 'auto' or None")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The options of `hfcp.patch` as the caller gave them (see its docstring), checked; the timeout as a timedelta.
+
+    Raises:
+        ValueError: a bad loss_chunk, strategy, check_inputs or timeout, or both process_group and device_mesh.
+    """
+
+    cp_size: int | None = None
+    strategy: str = "ring"
+    process_group: object = None
+    timeout: datetime.timedelta | None = None
+    check_inputs: bool = True
+    loss_chunk: int | str | None = "auto"
+    ulysses_size: int | None = None
+    device_mesh: object = None
+
+    def __post_init__(self):
+        check_loss_chunk(self.loss_chunk)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} is not one of {sorted(STRATEGIES)}")
+        if not isinstance(self.check_inputs, bool):
+            raise ValueError(f"check_inputs={self.check_inputs!r} must be True or False")
+        if self.device_mesh is not None and self.process_group is not None:
+            raise ValueError("pass either process_group= or device_mesh= (the CP group), not both")
+        object.__setattr__(self, "timeout", as_timedelta(self.timeout))
+
+    def differences(self, other: "Settings | dict") -> dict[str, tuple]:
+        """{option: (this value, the other value)} for each option that differs: every option of another Settings,
+        or the options in a dict (checked and normalised as patch does: a timeout in seconds equals its timedelta).
+        """
+        given = other if isinstance(other, dict) else {f.name: getattr(other, f.name) for f in dataclasses.fields(other)}
+        other = dataclasses.replace(self, **given)
+        return {k: (getattr(self, k), getattr(other, k)) for k in given if getattr(self, k) != getattr(other, k)}
+
+
+@dataclass(eq=False)
+class CPState:
+    """Everything hfcp holds for one patched model (no globals): the settings, what patch decided, the undo stack,
+    and the current step's layout (`step`) and forward's data (`fwd`), both replaced each forward."""
+
+    settings: Settings
+    # what patch decided (fixed until unpatch)
+    mesh: Mesh
+    patcher: Patcher
+    head: str  # "causal_lm", "classification" or "base"
+    attn_owner: object  # the model whose attn_implementation patch set (a VLM: its language model only)
+    original_attn: str
+    loss_chunk: int | str | None = "auto"  # the setting, or None where the model's logits are needed
+    logit_transform: LogitTransform = IDENTITY  # what the model does to its head's output (the chunked loss applies it)
+    modules: list = field(default_factory=list)  # the attention modules
+    attention_group: object = None  # what the strategy communicates over: the CP group, or usp's sub-groups
+    router_aux: object = None  # RouterAux, None (no aux loss in the forward) or why hfcp cannot compute it
+    # what unpatch undoes, last first
+    undo: list[Callable[[], None]] = field(default_factory=list)
+    # the current step and forward
+    step: StepBatch | None = None
+    fwd: ForwardData = field(default_factory=ForwardData)
+
+    @property
+    def strategy(self) -> str:
+        return self.settings.strategy
+
+    @property
+    def check_inputs(self) -> bool:
+        return self.settings.check_inputs
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError(
+            "copy.deepcopy of a hfcp-patched model is not supported (its hooks and process groups cannot be "
+            "copied correctly): deepcopy before hfcp.patch, or hfcp.unpatch, copy, and patch both"
+        )
+
+
+def find_pretrained(model) -> PreTrainedModel:
+    """The transformers model inside PEFT / DDP / accelerate wrappers."""
+    m = model
+    for _ in range(8):
+        if isinstance(m, PreTrainedModel):
+            return m
+        if hasattr(m, "get_base_model"):
+            m = m.get_base_model()
+        elif isinstance(getattr(m, "module", None), torch.nn.Module):
+            m = m.module
+        else:
+            break
+    raise TypeError(f"hfcp.patch expects a transformers PreTrainedModel (optionally PEFT/DDP-wrapped), got {type(model).__name__}")
+
+
+def cp_state(model) -> CPState | None:
+    """The CP state of a patched model, or None."""
+    return getattr(find_pretrained(model), "_hfcp_state", None)
