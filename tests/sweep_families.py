@@ -342,7 +342,7 @@ def model_check_refusals() -> tuple[int, dict]:
     no convolution over tokens outside the record's mixers). One process, no collective: seconds per family."""
     import warnings
 
-    from hfcp.patch import patcher_for
+    from hfcp.resolve import patcher_for
     from hfcp.registry import REGISTRY
     from hfcp.tiny_vlm import tiny_vlm
     from workers_vision import build as build_vision

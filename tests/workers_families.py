@@ -63,7 +63,7 @@ def compare(model_type: str, config: dict, strategy: str = "ring", padding: bool
     want = ref(**data, use_cache=False)
     want.loss.backward()
     hfcp.patch(model, strategy=strategy, loss_chunk=loss_chunk)
-    state = hfcp.patch.__globals__["cp_state"](model)
+    state = hfcp.cp_state(model)
     got = model(**data)
     got.loss.backward()
     out = {"loss": abs(got.loss.item() - want.loss.item()) / abs(want.loss.item()),
