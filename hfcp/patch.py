@@ -47,7 +47,8 @@ class CPState:
     modules: list = field(default_factory=list)
     hooks: list = field(default_factory=list)  # [(module, hook)] attached by patch
     rope_restores: list = field(default_factory=list)  # dynamic RoPE modules wrapped by patch (hfcp/rope.py)
-    mixer_restores: list = field(default_factory=list)  # what hfcp.mixers.bind changed (modules, hooks)
+    mixer_restores: list = field(default_factory=list)  # what hfcp.mixers.bind changed (modules, hooks, wrappers)
+    layer_steps: object = None  # hfcp.mixers.LayerSteps: the step each mixer call (and its recompute) belongs to
     step: StepBatch | None = None
     fwd: ForwardData = field(default_factory=ForwardData)
     attn_owner: object = None  # the model whose attn_implementation patch set (a VLM: its language model only)
