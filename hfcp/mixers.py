@@ -44,6 +44,8 @@ class StepCarrying:
         return self.checkpoint(with_its_step, *args, **kwargs)
 
     def __getattr__(self, name):  # the wrapped function's attributes (a partial's keywords, say)
+        if "checkpoint" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self.__dict__["checkpoint"], name)
 
 

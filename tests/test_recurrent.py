@@ -80,6 +80,13 @@ def test_a_no_grad_forward_of_other_padding_or_length_before_backward_is_exact(p
         assert "error" not in r and r["grad_err"] < 1e-5 and r["restored"], r
 
 
+@pytest.mark.parametrize("kind, reentrant", [("lfm2", False), ("jamba", True)])
+def test_gradient_checkpointing_enabled_after_patch_recomputes_each_layer_on_its_step(pool2, kind, reentrant):
+    # (the Trainer enables it on a model hfcp patched before): the checkpoint functions are wrapped at the next forward
+    for r in pool2.run(W.interleaved, kind, reentrant, True, 16, "transformers_after"):
+        assert "error" not in r and r["grad_err"] < 1e-5 and r["restored"], r
+
+
 @pytest.mark.parametrize("kind, reentrant", [("mamba2", False), ("zamba", True)])
 def test_checkpoint_wrapper_recomputes_each_layer_on_its_step(pool2, kind, reentrant):
     # torch's checkpoint_wrapper (FSDP activation checkpointing) applied after hfcp.patch: its checkpoint_fn carries

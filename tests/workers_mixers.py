@@ -442,7 +442,8 @@ def interleaved(kind: str, reentrant: bool, a_padded: bool, b_length: int, check
     """A's forward, B's forward under torch.no_grad() (an evaluation or DPO's reference pass), then A's backward,
     under activation checkpointing, reentrant or not: the CP-mean gradients against the unpatched model's gradients of
     A alone. A: (2, 24), row 0 left-padded by 3 (or not); B: (2, b_length), row 1 left-padded by 9.
-    checkpointing: "transformers" (gradient_checkpointing_enable before hfcp.patch), "wrapper" (torch's
+    checkpointing: "transformers" (gradient_checkpointing_enable before hfcp.patch; "transformers_after": after
+    it), "wrapper" (torch's
     apply_activation_checkpointing on the decoder layers, after it) or "composable" (torch's composable checkpoint on
     the decoder layers, a checkpoint hfcp does not carry steps through)."""
     from hfcp.mixers import StepCarrying
@@ -457,6 +458,8 @@ def interleaved(kind: str, reentrant: bool, a_padded: bool, b_length: int, check
     if checkpointing == "transformers":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     hfcp.patch(model, timeout=30)
+    if checkpointing == "transformers_after":  # as the Trainer does, after the model was built (and patched)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     _checkpoint_layers(model, checkpointing, reentrant)
     try:
         loss = model(**a).loss
