@@ -61,7 +61,7 @@ class LayerSteps:
     def carry_through_checkpoints(self, owner, args, kwargs=None) -> None:
         """Forward pre-hook of the owner: wraps every checkpoint function set on its modules since the last forward
         (gradient checkpointing may be enabled, or checkpoint_wrapper applied, after hfcp.patch)."""
-        wrappers = {}
+        wrappers, stale = {}, False
         for m in self.owner.modules():
             for name in _CHECKPOINT_FUNCTIONS:
                 function = m.__dict__.get(name)
@@ -70,8 +70,11 @@ class LayerSteps:
                 if name == "checkpoint_fn" and not hasattr(m, "_checkpoint_wrapped_module"):
                     continue  # (only torch's CheckpointWrapper calls its checkpoint_fn so)
                 wrapper = wrappers.setdefault(id(function), StepCarrying(function, self))
+                stale = stale or any(w[0] is m and w[1] == name for w in self.wrapped)
                 setattr(m, name, wrapper)
                 self.wrapped.append((m, name, wrapper))
+        if stale:  # checkpointing enabled again: forget the wrappers it replaced
+            self.wrapped = [w for w in self.wrapped if w[0].__dict__.get(w[1]) is w[2]]
 
     def unwrap(self) -> None:
         """Each checkpoint function hfcp wrapped back as it was (one set since, by the user, is kept)."""
