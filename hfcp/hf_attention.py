@@ -18,6 +18,9 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     """transformers attention function: q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> ((B, L/cp, H, D), None)."""
     state = getattr(module, "_hfcp_state", None)
     step = getattr(attention_mask, "hfcp_step", None)  # the step this call belongs to (see step_token.py)
+    carried = getattr(getattr(state, "layer_steps", None), "carried", None)
+    if step is None and carried is not None:  # a reentrant recompute detaches a mask passed positionally (Zamba's):
+        step = carried  # the step its checkpoint function carried (hfcp/mixers.py)
     if state is not None and step is None and state.patcher.embeddings_classes:
         check_token_model_mask(module, attention_mask)
         step = state.step  # token models: no mask argument; their step depends on the token count only

@@ -62,6 +62,45 @@ def test_gated_delta_under_gradient_checkpointing(pool2):
         _exact(r)
 
 
+# A's forward, B's forward under torch.no_grad() (an evaluation, DPO's reference pass), then A's backward: the
+# recomputed layers must use A's step, not B's (other padding, or another length). Models built from their configs.
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("kind", ["mamba2", "jamba", "lfm2", "zamba", "llama"])
+def test_a_no_grad_forward_before_backward_keeps_each_recompute_on_its_step(pool2, kind, reentrant):
+    for r in pool2.run(W.interleaved, kind, reentrant, True, 24):  # A row 0 padded by 3, B row 1 by 9
+        assert "error" not in r and r["grad_err"] < 1e-5 and r["restored"], r
+
+
+@pytest.mark.parametrize("kind, reentrant, a_padded, b_length", [
+    ("mamba2", False, False, 24), ("jamba", True, False, 24), ("lfm2", True, False, 24),  # A unpadded, B padded
+    ("mamba2", False, True, 16), ("jamba", True, True, 16), ("zamba", True, True, 16)])  # B of another length
+def test_a_no_grad_forward_of_other_padding_or_length_before_backward_is_exact(pool2, kind, reentrant, a_padded,
+                                                                               b_length):
+    for r in pool2.run(W.interleaved, kind, reentrant, a_padded, b_length):
+        assert "error" not in r and r["grad_err"] < 1e-5 and r["restored"], r
+
+
+@pytest.mark.parametrize("kind, reentrant", [("lfm2", False), ("jamba", True)])
+def test_gradient_checkpointing_enabled_after_patch_recomputes_each_layer_on_its_step(pool2, kind, reentrant):
+    # (the Trainer enables it on a model hfcp patched before): the checkpoint functions are wrapped at the next forward
+    for r in pool2.run(W.interleaved, kind, reentrant, True, 16, "transformers_after"):
+        assert "error" not in r and r["grad_err"] < 1e-5 and r["restored"], r
+
+
+@pytest.mark.parametrize("kind, reentrant", [("mamba2", False), ("zamba", True)])
+def test_checkpoint_wrapper_recomputes_each_layer_on_its_step(pool2, kind, reentrant):
+    # torch's checkpoint_wrapper (FSDP activation checkpointing) applied after hfcp.patch: its checkpoint_fn carries
+    # the step too (Zamba's mask is positional, detached by the reentrant recompute: attention takes the carried step)
+    for r in pool2.run(W.interleaved, kind, reentrant, True, 16, "wrapper"):
+        assert "error" not in r and r["grad_err"] < 1e-5 and r["restored"], r
+
+
+def test_a_recompute_by_a_checkpoint_hfcp_does_not_know_is_refused(pool2):
+    # torch's composable checkpoint recomputes the layer in backward without a checkpoint function hfcp can wrap
+    for r in pool2.run(W.interleaved, "jamba", False, True, 24, "composable"):
+        assert "recomputed in backward by a checkpoint function hfcp does not know" in r.get("error", ""), r
+
+
 def test_gated_delta_packed_rows_are_refused(pool2):
     for r in pool2.run(W.compare, "qwen3_next", "packed"):
         assert "packed rows" in r.get("refused", "") and "recurrent scan crosses document boundaries" in r["refused"], r

@@ -26,10 +26,11 @@ def test_short_conv_under_gradient_checkpointing(pool2):
         assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["conv_grad_err"] < 1e-4, r
 
 
-def test_short_conv_forward_while_a_checkpointed_graph_is_alive_is_refused(pool2):
-    # the first forward's conv layers would be recomputed with the second one's layout (other padding)
+def test_short_conv_forward_while_a_checkpointed_graph_is_alive_is_exact(pool2):
+    # a second forward (other padding) before the first one's backward: the first forward's conv layers are
+    # recomputed with their own step, carried by the checkpoint function (hfcp/mixers.py)
     for r in pool2.run(W.compare, "lfm2", "padding", "ring", "two_forwards"):
-        assert "still alive under gradient checkpointing" in r.get("refused", ""), r
+        assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["conv_grad_err"] < 1e-4, r
 
 
 def test_short_conv_at_cp4(pool4):

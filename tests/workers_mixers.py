@@ -116,7 +116,7 @@ def compare(kind: str, case: str, strategy: str = "ring", checkpointing: str = "
     try:
         got = model(**data).loss
         if checkpointing == "two_forwards":
-            model(**batch("plain")).loss  # the first graph is still alive: refused
+            model(**batch("plain")).loss  # the first graph is still alive: its recompute keeps its own step
         got.backward()
     except ValueError as e:
         return {"refused": str(e)}
@@ -397,3 +397,100 @@ def gated_fold_exact(zigzag: bool, length: int = 37) -> dict:
         return gated_sum_over_ranks(run, local["gate"], local, step, dist.group.WORLD)
 
     return _against_whole(loop_gated, x, fold, 1, zigzag, 9)
+
+
+def user_built(kind: str):
+    """A tiny model built from its family's config as a user (or a checkpoint's config.json) would: Mamba-2 alone, a
+    Jamba hybrid (a Mamba layer; an attention layer with MoE), LFM2 (conv, attention, conv, conv), Zamba (Mamba
+    layers, the shared attention block beside the third and fifth: transformers ties it from layer 2) or Llama (attention only, the control); weights perturbed."""
+    import transformers as T
+
+    small = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    attention = dict(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    if kind == "mamba2":
+        cfg = T.Mamba2Config(**small, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1, conv_kernel=4,
+                             chunk_size=8)
+    elif kind == "jamba":
+        cfg = T.JambaConfig(**small, **attention, num_experts=2, num_experts_per_tok=1, attn_layer_period=2,
+                            attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
+                            mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4)
+    elif kind == "lfm2":
+        cfg = T.Lfm2Config(**{**small, **attention, "num_hidden_layers": 4}, conv_L_cache=3,
+                           layer_types=["conv", "full_attention", "conv", "conv"])
+    elif kind == "zamba":
+        cfg = T.ZambaConfig(**{**small, **attention, "num_hidden_layers": 5}, attention_head_dim=8, n_mamba_heads=2,
+                            mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, attn_layer_period=2,
+                            attn_layer_offset=1)
+    else:
+        cfg = T.LlamaConfig(**small, **attention)
+    if kind != "mamba2":  # (no attention)
+        cfg._attn_implementation = "sdpa"
+    return _perturbed(T.AutoModelForCausalLM.from_config(cfg))
+
+
+def padded_batch(length: int, padded_row: int | None, pad: int, seed: int) -> dict:
+    """(2, length) ids; row `padded_row` left-padded by `pad` tokens (None: no padding)."""
+    ids = torch.randint(3, 90, (2, length), generator=torch.Generator().manual_seed(seed))
+    out = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    if padded_row is not None:
+        out["attention_mask"][padded_row, :pad] = 0
+        out["labels"][padded_row, :pad] = -100
+    return out
+
+
+def interleaved(kind: str, reentrant: bool, a_padded: bool, b_length: int, checkpointing: str = "transformers") -> dict:
+    """A's forward, B's forward under torch.no_grad() (an evaluation or DPO's reference pass), then A's backward,
+    under activation checkpointing, reentrant or not: the CP-mean gradients against the unpatched model's gradients of
+    A alone. A: (2, 24), row 0 left-padded by 3 (or not); B: (2, b_length), row 1 left-padded by 9.
+    checkpointing: "transformers" (gradient_checkpointing_enable before hfcp.patch; "transformers_after": after
+    it), "wrapper" (torch's
+    apply_activation_checkpointing on the decoder layers, after it) or "composable" (torch's composable checkpoint on
+    the decoder layers, a checkpoint hfcp does not carry steps through)."""
+    from hfcp.mixers import StepCarrying
+
+    a = padded_batch(24, 0 if a_padded else None, 3, seed=5)
+    b = padded_batch(b_length, 1, 9, seed=6)
+    torch.manual_seed(0)
+    ref = user_built(kind)
+    ref(**a).loss.backward()
+    torch.manual_seed(0)
+    model = user_built(kind)
+    if checkpointing == "transformers":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    hfcp.patch(model, timeout=30)
+    if checkpointing == "transformers_after":  # as the Trainer does, after the model was built (and patched)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    _checkpoint_layers(model, checkpointing, reentrant)
+    try:
+        loss = model(**a).loss
+        with torch.no_grad():
+            model(**b)
+        loss.backward()
+    except (ValueError, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+    finally:
+        hfcp.unpatch(model)
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    got = {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in averaged_grads(model).items()}
+    restored = all(not isinstance(m.__dict__.get(k), StepCarrying) for m in model.modules()
+                   for k in ("_gradient_checkpointing_func", "checkpoint_fn"))
+    return {"grad_err": grad_error(got, want), "restored": restored}
+
+
+def _checkpoint_layers(model, checkpointing: str, reentrant: bool) -> None:
+    """Activation checkpointing of each decoder layer by torch's checkpoint_wrapper or composable checkpoint."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl, apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+
+    layers = list(model.base_model.layers)
+    if checkpointing == "wrapper":
+        impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+        apply_activation_checkpointing(model, partial(checkpoint_wrapper, checkpoint_impl=impl),
+                                       check_fn=lambda m: any(m is layer for layer in layers))
+    elif checkpointing == "composable":
+        from torch.distributed._composable import checkpoint
+
+        for layer in layers:
+            checkpoint(layer)
