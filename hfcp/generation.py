@@ -62,7 +62,14 @@ def generation_cache(state, module, kw: dict, shards: bool) -> ShardedKVCache | 
 def cache_windows(given, module) -> dict[int, int]:
     """{layer: window} of the layers whose keys transformers' cache keeps a window of (DynamicSlidingWindowLayer):
     read from the cache generate() passes, else from the one the model builds from its config for use_cache=True."""
-    template = given if given is not None else DynamicCache(config=module.config.get_text_config(decoder=True))
+    template = given
+    if template is None:
+        try:
+            template = DynamicCache(config=module.config.get_text_config(decoder=True))
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"use_cache=True on a patched {type(module).__name__}: hfcp reads which layers' keys the "
+                             "cache keeps a window of from the DynamicCache transformers builds from its config, which "
+                             f"failed ({type(e).__name__}: {e}); pass cache=DynamicCache() or use generate()") from e
     return {i: int(layer.sliding_window) for i, layer in enumerate(template.layers)
             if isinstance(layer, DynamicSlidingWindowLayer)}
 
