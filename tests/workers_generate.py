@@ -1,8 +1,8 @@
 """generate() on patched models whose cache transformers handles in its own way, against the unpatched model:
-BERT-family decoders (bidirectional with is_decoder=False; they fill the cache they are given but return none), a sliding-window
-cache its mask does not apply (Moshi), an outer model that passes logits_to_keep down to attention (LLaVA-OneVision).
-Every model is built from its config as transformers builds it, weights perturbed so that tokens differ when a step
-is computed otherwise."""
+BERT-family decoders (bidirectional with is_decoder=False; they fill the cache they are given but return none), a
+sliding-window cache its mask does not apply (Moshi), an outer model that passes logits_to_keep down to attention
+(LLaVA-OneVision). Every model is built from its config as transformers builds it, weights perturbed so that tokens
+differ when a step is computed otherwise."""
 from __future__ import annotations
 
 import copy
