@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
 from .checks import check_same_batch
 from .kv_cache import ShardedKVCache
@@ -54,9 +54,24 @@ def generation_cache(state, module, kw: dict, shards: bool) -> ShardedKVCache | 
     name = next((n for n in CACHE_NAMES if n in parameters), CACHE_NAMES[0])
     for n in names:
         kw.pop(n)
-    cache = ShardedKVCache(state.mesh.cp_rank, state.mesh.cp_size)
+    cache = ShardedKVCache(state.mesh.cp_rank, state.mesh.cp_size, cache_windows(given, module))
     kw[name] = cache
     return cache
+
+
+def cache_windows(given, module) -> dict[int, int]:
+    """{layer: window} of the layers whose keys transformers' cache keeps a window of (DynamicSlidingWindowLayer):
+    read from the cache generate() passes, else from the one the model builds from its config for use_cache=True."""
+    template = given
+    if template is None:
+        try:
+            template = DynamicCache(config=module.config.get_text_config(decoder=True))
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"use_cache=True on a patched {type(module).__name__}: hfcp reads which layers' keys the "
+                             "cache keeps a window of from the DynamicCache transformers builds from its config, which "
+                             f"failed ({type(e).__name__}: {e}); pass cache=DynamicCache() or use generate()") from e
+    return {i: int(layer.sliding_window) for i, layer in enumerate(template.layers)
+            if isinstance(layer, DynamicSlidingWindowLayer)}
 
 
 def prepare_decode(state, module, kw: dict, cache: ShardedKVCache, step_token) -> None:
@@ -88,6 +103,20 @@ def prepare_decode(state, module, kw: dict, cache: ShardedKVCache, step_token) -
         kw["use_cache"] = True
     if "output_router_logits" in parameters:  # the router aux loss is a training term: not in decode steps
         kw["output_router_logits"] = False
+
+
+def return_cache(output, cache: ShardedKVCache):
+    """The output of a forward that ran with hfcp's cache, returning it where the model returned none: BERT-family
+    models used as causal LMs without config.is_decoder fill the cache they are given but return None, and
+    transformers' generate() then passes its own cache on, which the model keeps filling, so each step attends over
+    every earlier token's cached keys. hfcp's cache is spread over the ranks: returned, generate() passes it on and
+    the later steps are decode steps over it, as there (a tuple output is left as it is)."""
+    if isinstance(output, tuple):
+        return output
+    name = next((n for n in CACHE_NAMES if n in output or hasattr(output, n)), None)
+    if name is not None and output.get(name) is None:
+        output[name] = cache
+    return output
 
 
 class TokensAgree:

@@ -32,6 +32,8 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
         )
     state.fwd.attention_calls.add(id(module))
     sink = take_sink(module, kwargs, query.shape[1])
+    if isinstance(step, DecodeStep):  # an outer model may pass its logits_to_keep down (LLaVA-OneVision): a decode
+        kwargs.pop("logits_to_keep", None)  # step's outputs are whole on every rank, and its head keeps them itself
     refuse_unimplemented(module, kwargs)
     if dropout:
         raise ValueError(f"attention dropout={dropout} cannot be made exact under CP; set config.attention_dropout=0")
@@ -65,8 +67,10 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     query, key, value, v_dim = same_head_dim(query, key, value)
     with torch.autocast(query.device.type, enabled=False):  # the strategies choose their own precisions
         out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.attention_group, sink)
-    if state.fwd.cache is not None and sliding_window and not blocks_or_chunks(spec):  # a prompt's prefill
-        state.fwd.cache.keep_window(getattr(module, "layer_idx", None), sliding_window)
+    window = state.fwd.cache.kept_window(getattr(module, "layer_idx", None), sliding_window) \
+        if state.fwd.cache is not None else None
+    if window and not blocks_or_chunks(spec):  # a prompt's prefill
+        state.fwd.cache.keep_window(getattr(module, "layer_idx", None), window)
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
 
 
@@ -79,10 +83,14 @@ def decode_call(module, query, key, value, step: DecodeStep, state, scaling, sli
     """A decode step's attention over the KV cache spread over the CP group: ((B, n, H, D), None)."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     chunk = attention_chunk(module)
-    if not causal or chunk or not step.cache.plain_masks:
+    if not causal and query.shape[2] > 1:  # (one new token attends to every cached key and itself either way)
+        raise ValueError(f"{type(module).__name__} attends bidirectionally: a decode step of {query.shape[2]} new "
+                         "tokens would let the earlier of them see the later ones, which hfcp's decode attention does "
+                         "not implement; decode one token per step (generate() does), or call hfcp.unpatch(model)")
+    if chunk or not step.cache.plain_masks:
         raise ValueError(f"{type(module).__name__}: hfcp's generation implements causal attention with sliding windows, "
-                         "softcap and sinks; this layer's mask (bidirectional, attention chunks or a mask built outside "
-                         "the model) is not supported in decode steps yet")
+                         "softcap and sinks; this layer's mask (attention chunks or a mask built outside the model) is "
+                         "not supported in decode steps yet")
     cache, layer = step.cache, getattr(module, "layer_idx", None)
     if layer not in cache.columns or key.shape[2] != len(cache.columns[layer]):
         raise RuntimeError(f"hfcp: {type(module).__name__} (layer_idx={layer!r}) got {key.shape[2]} keys that are not "
@@ -93,8 +101,9 @@ def decode_call(module, query, key, value, step: DecodeStep, state, scaling, sli
     with torch.autocast(query.device.type, enabled=False):
         out = decode_attention(query, key, value, step.columns, cache.columns[layer].to(key.device),
                                cache.valid[layer].to(key.device), spec, scale, state.mesh.cp_group, sink)
-    if sliding_window:
-        cache.keep_window(layer, sliding_window)
+    window = cache.kept_window(layer, sliding_window)
+    if window:
+        cache.keep_window(layer, window)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -36,9 +36,10 @@ class ShardedKVCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, rank: int, cp_size: int):
+    def __init__(self, rank: int, cp_size: int, windows: dict[int, int] | None = None):
         super().__init__(layers=[])
         self.rank, self.cp_size = rank, cp_size
+        self.windows = dict(windows or {})  # layer -> the window transformers' own cache keeps for it (see kept_window)
         self.keys: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, L_r, D) this rank's cached keys
         self.values: dict[int, torch.Tensor] = {}
         self.columns: dict[int, torch.Tensor] = {}  # layer -> (L_r,) the global column of each of them
@@ -106,6 +107,14 @@ class ShardedKVCache(Cache):
                 self.columns[layer_idx] = self._new_columns.to(key_states.device)
                 self.valid[layer_idx] = self._new_valid.to(key_states.device)
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def kept_window(self, layer_idx, sliding_window: int | None) -> int | None:
+        """The window of keys to keep for a layer after its attention: the layer's sliding window, or the window
+        transformers' cache keeps for the layer where that is smaller or the only one (its DynamicSlidingWindowLayer
+        keeps the last window - 1 keys whether or not the model's mask applies the window, as Moshi's does not);
+        None: keep every key."""
+        windows = [w for w in (sliding_window, self.windows.get(layer_idx)) if w]
+        return min(windows) if windows else None
 
     def keep_window(self, layer_idx: int, window: int) -> None:
         """After a sliding-window layer's attention: drop this rank's keys that no later query sees (column <= the
@@ -176,7 +185,7 @@ class ShardedKVCache(Cache):
         self._refuse("selecting rows of a filled cache")
 
     def reset(self):
-        self.__init__(self.rank, self.cp_size)
+        self.__init__(self.rank, self.cp_size, self.windows)
 
     def bytes_held(self) -> int:
         """Bytes of keys and values this rank holds (the per-rank KV-cache memory)."""

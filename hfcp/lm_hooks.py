@@ -9,7 +9,7 @@ from accelerate.hooks import ModelHook
 from .checks import check_same_batch, check_shapes, check_token_range
 from .distributed.collectives import all_reduce_no_grad, all_reduce_sum
 from .forward_data import ForwardData
-from .generation import generation_cache, prepare_decode
+from .generation import generation_cache, prepare_decode, return_cache
 from .layout import Layout, build_step_batch, document_ids, pad_to
 from .outer_mask import resolve_attention_mask, step_blocks
 from .step_token import step_token
@@ -333,6 +333,7 @@ class ShardSequenceHook(ModelHook):
         check_attention_ran(st, module)
         if st.fwd.cache is not None:
             st.fwd.cache.end_forward()
+            output = return_cache(output, st.fwd.cache)
             if st.fwd.decoding:  # its outputs are whole, the same on every rank
                 for v in (output.values() if not isinstance(output, tuple) else output):
                     if isinstance(v, torch.Tensor):

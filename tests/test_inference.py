@@ -114,3 +114,46 @@ def test_vlm_greedy_generation_equals_the_unpatched_model(pool2, kind, case):
 def test_vlm_generation_with_bidirectional_blocks_is_refused(pool2, kind):
     for msg in pool2.run(G.vlm_refused, kind, "one_image"):
         assert "generate() with token_type_ids" in msg, msg
+
+
+# ---- models whose cache transformers handles in its own way (tests/workers_generate.py) --------------------------
+import workers_generate as GEN  # noqa: E402
+
+
+@pytest.mark.parametrize("kind, is_decoder, pad", [("bert", False, 0), ("electra", False, 3),
+                                                   ("bert_generation", False, 0), ("bert", True, 3)])
+def test_bert_family_decoders_generate_as_the_unpatched_model(pool2, kind, is_decoder, pad):
+    """BertLMHeadModel, ElectraForCausalLM, BertGenerationDecoder as causal LMs: without config.is_decoder they attend
+    bidirectionally and fill the cache generate() passes but return none; each decode step's one token attends to
+    every cached key. hfcp returns its own cache, so the steps are decode steps over it (they were fresh one-token
+    prompts): the same tokens and scores."""
+    for r in pool2.run(GEN.generated, kind, 17, 6, pad, is_decoder):
+        assert r["same_tokens"] and r["score_err"] < 1e-5, r
+        assert r["cache"] == "ShardedKVCache" and r["columns"] == 17 + 5, r
+
+
+def test_bert_decode_steps_by_hand_of_one_token_and_more_refused(pool2):
+    for r in pool2.run(GEN.steps_by_hand, "bert", [1, 1]):
+        assert max(r["errs"]) < 1e-5 and r["columns"] == 19, r
+    for r in pool2.run(GEN.steps_by_hand, "bert", [3]):  # (the unpatched model fails on it too)
+        assert "attends bidirectionally: a decode step of 3 new tokens" in r["refused"], r
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_moshi_generates_with_the_window_its_cache_keeps(pool2, pad):
+    """Moshi's mask does not apply config.sliding_window (7), but transformers' cache keeps the last 6 keys of each
+    layer only: the 17-token prompt's decode steps see those (hfcp kept every key: the unpatched uncached tokens)."""
+    for r in pool2.run(GEN.generated, "moshi", 17, 6, pad):
+        assert r["same_tokens"] and r["score_err"] < 1e-5, r
+
+
+def test_moshi_decode_steps_by_hand_keep_the_window(pool2):
+    # the model builds its cache from its config (no cache given); a 3-token step sees the 6 kept keys and its own
+    for r in pool2.run(GEN.steps_by_hand, "moshi", [3, 1]):
+        assert max(r["errs"]) < 1e-5 and r["columns"] == 21, r
+
+
+def test_llava_onevision_generates_as_the_unpatched_model(pool2):
+    """Its outer forward passes logits_to_keep down to Qwen2's attention in decode steps (refused before)."""
+    for r in pool2.run(GEN.vlm_generated, "llava_onevision"):
+        assert r["same_tokens"] and r["new"] == 6 and r["score_err"] < 1e-5, r

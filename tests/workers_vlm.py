@@ -37,6 +37,11 @@ def tiny_vlm(kind: str, text: str | None = None):
         cfg = T.LlavaConfig(vision_config=_SIGLIP, text_config=text_config, image_token_index=IMAGE,
                             vision_feature_select_strategy="full", vision_feature_layer=-1)
         cls = T.LlavaForConditionalGeneration
+    elif kind == "llava_onevision":  # Qwen2 text; SigLIP, anyres of one 16 x 16 tile: base and tile features
+        cfg = T.LlavaOnevisionConfig(vision_config=_SIGLIP, text_config=dict(model_type="qwen2", **_TEXT),
+                                     image_token_index=IMAGE, video_token_index=VIDEO, image_grid_pinpoints=[[16, 16]],
+                                     vision_feature_select_strategy="full", vision_feature_layer=-1)
+        cls = T.LlavaOnevisionForConditionalGeneration
     elif kind == "internvl":  # InternViT (CLS dropped), pixel shuffle 0.5: 16 patches of a 16 x 16 tile -> 4 tokens
         cfg = T.InternVLConfig(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                   num_attention_heads=2, image_size=[16, 16], patch_size=[4, 4]),
