@@ -83,7 +83,7 @@ def vlm_generated(kind: str, new: int = 6) -> dict:
     """Greedy generate() of a patched VLM (tests/workers_vlm.py's, two rows with one image each, as
     hfcp.tiny_vlm.image_batch places them) against the unpatched model's."""
     import workers_vlm as V
-    from hfcp.tiny_vlm import image_batch
+    from hfcp.testing.tiny_vlm import image_batch
 
     model = V.tiny_vlm(kind).eval()
     model.config.get_text_config().use_cache = model.generation_config.use_cache = True
