@@ -1,4 +1,7 @@
-"""hfcp: make Hugging Face models context-parallel with one line (see DESIGN.md)."""
+"""hfcp: make Hugging Face models context-parallel with one line.
+
+The docs: docs/index.md; every public name: docs/reference/api.md.
+"""
 from .collectives import CollectiveError
 from .data import average_gradients, data_parallel_rank_and_size
 from .patch import cp_state, gather_sequence, patch, unpatch
