@@ -1,4 +1,7 @@
-"""hfcp: make Hugging Face models context-parallel with one line (see DESIGN.md)."""
+"""hfcp: make Hugging Face models context-parallel with one line.
+
+The docs: docs/index.md; every public name: docs/reference/api.md.
+"""
 from .distributed.collectives import CollectiveError
 from .distributed.data import average_gradients, data_parallel_rank_and_size
 from .outputs import gather_outputs

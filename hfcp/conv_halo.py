@@ -1,5 +1,5 @@
-"""Causal depthwise convolution over the global sequence, computed on each rank's tokens (DESIGN.md, issue 19:
-recurrent and hybrid mixers).
+"""Causal depthwise convolution over the global sequence, computed on each rank's tokens
+(docs/concepts/recurrent-state.md).
 
 A causal convolution of kernel k makes output t from inputs t-k+1..t. Under CP a rank holds runs of consecutive
 global positions (zigzag: chunks r and 2cp-1-r), so each run needs the k-1 inputs before its start: its halo,

@@ -1,5 +1,6 @@
-"""Generation on a patched causal LM or vision-language model (issue 20): which forwards are a prompt's prefill or
-a decode step, and their inputs. The cache and its decode attention: hfcp/kv_cache.py, hfcp/attention/decode.py.
+"""Generation on a patched causal LM or vision-language model (docs/how-to/generation.md): which forwards are a
+prompt's prefill or a decode step, and their inputs. The cache and its decode attention: hfcp/kv_cache.py,
+hfcp/attention/decode.py.
 
 A forward with a cache (transformers' `generate()` passes an empty DynamicCache first, then the cache the model
 returned) or `use_cache=True` runs with a ShardedKVCache: the first forward is the prompt's prefill, sharded over

@@ -183,7 +183,7 @@ def refuse_unimplemented(module, kwargs: dict) -> None:
         raise ValueError(
             f"{type(module).__name__} passes {name}={shown} to its attention function, which hfcp's context-parallel "
             f"attention does not implement: the result would be wrong, so this model is not supported by hfcp "
-            "(see README, Support matrix)"
+            "(see hfcp's docs: reference/support-matrix.md)"
         )
 
 

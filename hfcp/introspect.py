@@ -1,4 +1,4 @@
-"""What hfcp reads from a model instead of retyping it per family (DESIGN.md "Families").
+"""What hfcp reads from a model instead of retyping it per family (docs/reference/family-records.md).
 
 - which modules compute attention through transformers' AttentionInterface (their forward looks the function
   up in ALL_ATTENTION_FUNCTIONS, so setting the model's attn_implementation to hfcp's key reroutes them);

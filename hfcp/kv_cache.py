@@ -1,4 +1,4 @@
-"""A KV cache spread over the CP group, for generation on a patched causal LM (issue 20).
+"""A KV cache spread over the CP group, for generation on a patched causal LM (docs/how-to/generation.md).
 
 The prompt is prefilled over the group like a training forward: each rank computes the keys and values of its own
 tokens (its two zigzag chunks), and keeps them, with their global columns and which are padding. The full cache

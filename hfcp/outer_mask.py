@@ -136,7 +136,7 @@ _REFUSAL = ("hfcp builds attention masks from global token indices and reproduce
             "with key padding and bidirectional blocks (block_sequence_ids) only; {what} cannot be split exactly "
             "over the ranks, so it is refused. {todo}")
 _TODO_OUTER = ("A vision-language model building its language model's mask is not supported by patching the language "
-               "model alone (see README, Support matrix)")
+               "model alone (see hfcp's docs: reference/support-matrix.md)")
 
 
 def resolve_attention_mask(kw: dict) -> dict | None:

@@ -1,5 +1,5 @@
-"""Chunked linear recurrences over the global sequence, computed on each rank's tokens (DESIGN.md, "Recurrent
-mixers"; issue 19).
+"""Chunked linear recurrences over the global sequence, computed on each rank's tokens
+(docs/concepts/recurrent-state.md).
 
 The recurrences here carry a matrix state S (B, H, dk, dv) whose dv columns evolve independently and linearly in
 the state and the values, as the gated delta rule does (S_t = A_t S_{t-1} + k_t u_t^T, A_t = a_t (I - b_t k_t k_t^T)).

@@ -1,4 +1,4 @@
-"""A VLM's vision tower with its work split over the CP group (DESIGN.md "Vision-language models").
+"""A VLM's vision tower with its work split over the CP group (docs/how-to/vision-language.md).
 
 Towers of two kinds: those called with images along dim 0 (CLIP, SigLIP, InternViT), and Qwen-VL's, called with
 every image's patches as one (patches, D) sequence and a `grid_thw` row per image (attention stays within each image,

@@ -1,4 +1,4 @@
-"""Vision-language models: the merged token sequence under CP (DESIGN.md "Vision-language models").
+"""Vision-language models: the merged token sequence under CP (docs/how-to/vision-language.md).
 
 The outer model (`...ForConditionalGeneration`) keeps its whole inputs: every rank encodes the images, merges their
 features into `inputs_embeds` and computes the positions (mRoPE's rope index over the whole `input_ids` and grids)

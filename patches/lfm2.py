@@ -1,4 +1,4 @@
-"""LFM2, LFM2-MoE and LFM3: hybrids of attention layers and gated short convolutions (issue 19).
+"""LFM2, LFM2-MoE and LFM3: hybrids of attention layers and gated short convolutions (docs/concepts/recurrent-state.md).
 
 A short-conv layer computes y = out_proj(C * conv(B * x)), where in_proj(h) = (B, C, x) and conv is a causal
 depthwise convolution of kernel `conv_L_cache`; it mixes tokens only through that convolution, which hfcp computes

@@ -1,4 +1,4 @@
-"""MiniMax-Text-01 (`minimax`): lightning attention layers beside softmax attention (issue 19).
+"""MiniMax-Text-01 (`minimax`): lightning attention layers beside softmax attention (docs/concepts/recurrent-state.md).
 
 A lightning attention layer is linear attention with a fixed decay per head: with q, k, v = act(qkv_proj(x)) split
 per head, its state S_t = exp(-s) S_{t-1} + k_t v_t^T (dk x dv) and its output o_t = q_t S_t, computed in blocks of

@@ -1,6 +1,6 @@
-"""Recurrent layers with a chunked scan (issue 19): gated delta nets (Qwen3-Next, Qwen3.5 and its MoE, OLMo-hybrid,
-Lara-mini), Kimi delta attention (Kimi-Linear, Bailing-hybrid) and Mamba-2 (mamba2, Bamba, Falcon-H1,
-Granite-4.0-H), each in a hybrid with attention layers (Mamba-2 also alone).
+"""Recurrent layers with a chunked scan (docs/concepts/recurrent-state.md): gated delta nets (Qwen3-Next, Qwen3.5 and
+its MoE, OLMo-hybrid, Lara-mini), Kimi delta attention (Kimi-Linear, Bailing-hybrid) and Mamba-2 (mamba2, Bamba,
+Falcon-H1, Granite-4.0-H), each in a hybrid with attention layers (Mamba-2 also alone).
 
 Such a layer mixes tokens only in calls of module-level functions of its family: the padding rule
 `apply_mask_to_padding_states`, the causal depthwise convolution `causal_conv1d_fn`, and its chunked scan

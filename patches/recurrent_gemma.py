@@ -1,4 +1,5 @@
-"""RecurrentGemma (Griffin): RG-LRU recurrent blocks beside local (sliding-window) attention (issue 19).
+"""RecurrentGemma (Griffin): RG-LRU recurrent blocks beside local (sliding-window) attention
+(docs/concepts/recurrent-state.md).
 
 A recurrent block computes linear_out(act(linear_y(x)) * rg_lru(conv(linear_x(x)))), with a causal depthwise
 convolution of kernel `conv1d_width` and the RG-LRU, a linear recurrence whose state is its output:

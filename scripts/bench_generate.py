@@ -1,5 +1,5 @@
-"""Generation under CP (issue 20): prefill time and per-rank peak memory, decode speed and per-rank KV cache, at
-cp 1 / 2 / 4, each a fresh run of scripts/generate_long.py (a tiny random Llama unless --model).
+"""Generation under CP (docs/performance.md#generation): prefill time and per-rank peak memory, decode speed and
+per-rank KV cache, at cp 1 / 2 / 4, each a fresh run of scripts/generate_long.py (a tiny random Llama unless --model).
 
     python scripts/bench_generate.py --lengths 16384 32768 --cps 1 2 4 --width 256 --layers 4
 

@@ -1,4 +1,4 @@
-"""Generate after a long prompt, the prompt and its KV cache spread over the processes (issue 20).
+"""Generate after a long prompt, the prompt and its KV cache spread over the processes (docs/how-to/generation.md).
 
     accelerate launch --multi_gpu --num_processes 2 scripts/generate_long.py --model runs/smollm2 \
         --prompt-file doc.txt --max-new-tokens 64

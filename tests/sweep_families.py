@@ -96,7 +96,7 @@ def _check(model_type: str, aux_loss: bool = True) -> dict:
     grad_err = max(e[1] for e in errs.values())
     same_keys = all(e[2] for e in errs.values())
     exact = same_keys and loss_err < LOSS_TOL and grad_err < tolerance
-    # what the README prints is what holds on any processor: the verdict and its tolerance, never the rounding
+    # what the support-matrix page prints is what holds on any processor: the verdict and its tolerance, never the rounding
     # digits of the CPU kernels (those differ between machines); the measured errors travel beside it
     errors = f"loss {loss_err:.1e}, grad {grad_err:.1e}" + ("" if same_keys else ", grads differ")
     within = (f"{GRAD_TOL:.0e}" if tolerance == GRAD_TOL

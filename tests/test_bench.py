@@ -1,4 +1,4 @@
-"""Smoke test of scripts/bench.py (the real benchmark is run by hand; see README "Performance")."""
+"""Smoke test of scripts/bench.py (the real benchmark is run by hand; see docs/performance.md)."""
 import json
 import subprocess
 import sys

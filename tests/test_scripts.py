@@ -1,4 +1,4 @@
-"""Every script in scripts/ runs as the README documents it (tiny settings). finetune_lora.py: test_finetune.py;
+"""Every script in scripts/ runs as the docs document it (tiny settings). finetune_lora.py: test_finetune.py;
 bench.py (and bench_step.py, which it launches): test_bench.py; smollm2_checkpoint.py: test_real_model.py."""
 import json
 import os
@@ -16,10 +16,10 @@ def _run(cmd):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_every_script_is_listed_in_the_readme():
-    readme = (ROOT / "README.md").read_text()
+def test_every_script_is_listed_in_the_scripts_reference():
+    page = (ROOT / "docs" / "reference" / "scripts.md").read_text()
     for script in sorted((ROOT / "scripts").glob("*.*")):
-        assert f"`scripts/{script.name}`" in readme, f"README does not list scripts/{script.name}"
+        assert f"`scripts/{script.name}`" in page, f"docs/reference/scripts.md does not list scripts/{script.name}"
 
 
 def test_example_cp_under_accelerate_equals_one_process():

@@ -1,5 +1,5 @@
 """The VLM sweep over every image-text-to-text type of transformers: exact or refused, never silently wrong, with
-a text-only batch and with images; and its matrix (README, patches/verified_vlm.py) is what a fresh sweep gives."""
+a text-only batch and with images; and its matrix (docs/reference/support-matrix.md, patches/verified_vlm.py) is what a fresh sweep gives."""
 import sys
 from pathlib import Path
 
@@ -38,5 +38,5 @@ def test_generated_vlm_matrix_is_current(sweep):
     types, text = support_matrix.verified_vlms(sweep)
     assert (list(verified_vlm.VERIFIED), list(verified_vlm.TEXT_TYPES)) == (types, text), \
         "patches/verified_vlm.py is stale: run python scripts/support_matrix.py"
-    readme = (ROOT / "README.md").read_text()
-    assert support_matrix.render_vlm_table(sweep) in readme, "README's VLM matrix is stale: run scripts/support_matrix.py"
+    page = support_matrix.MATRIX_PAGE.read_text()
+    assert support_matrix.render_vlm_table(sweep) in page, "docs' VLM matrix is stale: run scripts/support_matrix.py"

@@ -44,7 +44,7 @@ def _batch(token_types: bool, padding: bool):
     kw, labels = {"input_ids": ids}, ids.clone()
     if token_types:  # a prefix (0) and a suffix (1): PaliGemma's prefix-LM block, Gemma 3's image-block rule
         kw["token_type_ids"] = (torch.arange(L) >= 12).long()[None].expand(2, -1).clone()
-    if padding:  # left padding of row 0; its first valid token is never a target (see README: padding query rows)
+    if padding:  # left padding of row 0; its first valid token is never a target (see docs/reference/limitations.md: padding query rows)
         mask = torch.ones_like(ids)
         mask[0, :5] = 0
         labels[0, :6] = -100

@@ -54,7 +54,7 @@ def batch(kind: str, L: int = 40, vocab: int = 96) -> dict:
     b = {"input_ids": ids, "labels": labels}
     if kind in ("left_padding", "holes"):
         mask = torch.ones_like(ids)
-        mask[0, :7] = 0  # left padding of row 0; its first valid token is no target (README: padding query rows)
+        mask[0, :7] = 0  # left padding of row 0; its first valid token is no target (docs/reference/limitations.md: padding query rows)
         labels[0, :8] = -100
         if kind == "holes":
             mask[1, 10:13] = 0

@@ -1,8 +1,8 @@
 """Attention sinks: one learnable logit per head that joins every query's softmax denominator (GPT-OSS `s_aux`).
 
-It enters once, after all key blocks are merged (DESIGN.md): lse_total = logaddexp(lse, s_h), and the output is
-scaled by exp(lse - lse_total). Backward then runs the usual block formula with the final out and lse_total, and
-the sink's own gradient is d s_h = -sum over rows of exp(s_h - lse_total) * (dO . O).
+It enters once, after all key blocks are merged (docs/concepts/exactness.md): lse_total = logaddexp(lse, s_h),
+and the output is scaled by exp(lse - lse_total). Backward then runs the usual block formula with the final out and
+lse_total, and the sink's own gradient is d s_h = -sum over rows of exp(s_h - lse_total) * (dO . O).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ tiny random model of a model_type) before trusting a family: loss, every gradien
 Each of `cp_size` processes (gloo on CPU, NCCL on GPUs) builds the same model, runs the unpatched reference on the
 whole sequence, then the patched model on its shard. Where the fp32 reference and hfcp disagree beyond tolerance,
 both are compared with a float64 reference before deciding (fp32 cross-entropy over a large vocabulary is itself
-off by more than hfcp's chunked loss; DESIGN.md "Accuracy reference").
+off by more than hfcp's chunked loss; docs/concepts/exactness.md, "The accuracy reference").
 
 What can be checked without the processes is checked first, in the caller (`check_arguments`); an exception raised in
 a worker comes back as a `VerifyError` whose message is its one line "Type: message".

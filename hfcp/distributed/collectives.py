@@ -1,9 +1,9 @@
 """hfcp's own autograd-aware collectives, all in one place.
 
-`torch.distributed.nn.functional` is deprecated and its all_gather backward was measured wrong on gloo
-(DESIGN.md), so every collective that carries gradients is an explicit `torch.autograd.Function` here.
-Convention (DESIGN.md "Gradients"): every rank of the CP group computes the same loss, so the adjoint of
-an all-reduce-sum is an all-reduce-sum, and the mean of the parameter grads over the group is exact.
+`torch.distributed.nn.functional` is deprecated and its all_gather backward was measured wrong on gloo, so every
+collective that carries gradients is an explicit `torch.autograd.Function` here. Convention
+(docs/concepts/exactness.md, "Gradients"): every rank of the CP group computes the same loss, so the adjoint of an
+all-reduce-sum is an all-reduce-sum, and the mean of the parameter grads over the group is exact.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ What changes against the parent, and why:
   CP group gets the same batch (accelerate's own sharding would give each rank another one);
 - loss: hfcp's global token-weighted loss with the Trainer's `num_items_in_batch`; the loss is scaled by the
   number of DP groups (not processes) before DDP averages the gradients over all processes, because the mean of
-  the gradients over a CP group is already the gradient of that group's loss (DESIGN.md "Gradients");
+  the gradients over a CP group is already the gradient of that group's loss (docs/concepts/exactness.md);
 - counters: tokens seen and FLOPs count each DP group once, the total batch size is per DP group;
 - evaluate / predict: see evaluation.py (whole sequences, one copy per DP group, no repeated samples).
 """
@@ -104,9 +104,9 @@ class HfcpTrainerMixin(EvaluationMixin):
         if tp > 1:  # transformers would hand accelerate a layout with its TP (before any hfcp check could run)
             raise ValueError(
                 f"{type(self).__name__} cannot run a tensor-parallel model (tp_size={tp}) exactly: TP x CP is exact in "
-                "a loop of your own (hfcp.patch(model, device_mesh=mesh['cp']), README 'One mesh'), but through the "
-                "Trainer it needs accelerate's TP, which runs only on GPUs and has not been verified; load the model "
-                "without tp_plan / DistributedConfig here")
+                "a loop of your own (hfcp.patch(model, device_mesh=mesh['cp']); docs: how-to/scaling-out.md), but "
+                "through the Trainer it needs accelerate's TP, which runs only on GPUs and has not been verified; load "
+                "the model without tp_plan / DistributedConfig here")
         self._hfcp_layout = layout = requested_layout(self.args)
         if layout is None:
             return
