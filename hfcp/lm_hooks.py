@@ -6,7 +6,7 @@ import inspect
 import torch
 from accelerate.hooks import ModelHook
 
-from .checks import check_same_batch, check_shapes, check_token_range
+from .checks import BATCH_NAMES, check_same_batch, check_shapes, check_token_range
 from .collectives import all_reduce_no_grad, all_reduce_sum
 from .forward_data import ForwardData
 from .generation import generation_cache, prepare_decode
@@ -14,6 +14,8 @@ from .layout import Layout, build_step_batch, document_ids, pad_to
 from .outer_mask import resolve_attention_mask, step_blocks
 from .linear_ce import add_token_stats
 from .router_loss import global_aux
+from .side_inputs import (SPLIT_BY_HFCP, check_side_inputs, outer_model_labels, refuse_outer_labels,
+                          refuse_unsplit_sequence_inputs, shard_side_inputs, side_input_names)
 from .loss import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean, shift_labels
 
 
@@ -264,9 +266,17 @@ class ShardSequenceHook(ModelHook):
             prepare_decode(st, module, kw, cache, step_token)
             st.fwd.decoding = True
             return (), kw
+        pairs = st.patcher.token_side_inputs if self.shards else ()
+        outer = outer_model_labels(module) if self.shards and st.head != "causal_lm" else None
         if st.check_inputs:  # a collective that cannot raise first: then every rank holds the same batch ...
-            check_same_batch(kw, st.mesh.cp_group)
-        x, labels, targets_full = check_lm_batch(module, kw, st.head == "causal_lm")  # ... and these raise alike
+            check_same_batch({**kw, "labels": outer[1]} if outer else kw, st.mesh.cp_group,
+                             BATCH_NAMES + tuple(mask for mask, _ in pairs))
+        if outer:  # ... and these raise alike
+            refuse_outer_labels(module, outer[0])
+        x, labels, targets_full = check_lm_batch(module, kw, st.head == "causal_lm")
+        if self.shards:  # (a VLM's outer model: its language model's hook checks what reaches it)
+            check_side_inputs(module, kw, pairs, x.shape[:2])
+            refuse_unsplit_sequence_inputs(module, kw, SPLIT_BY_HFCP | side_input_names(pairs), *x.shape[:2])
         st.fwd.router_logits_wanted = router_logits_wanted(st, module, kw)
         if "use_cache" in inspect.signature(module._old_forward).parameters:
             kw["use_cache"] = cache is not None
@@ -274,6 +284,7 @@ class ShardSequenceHook(ModelHook):
         check_length_limit(st.patcher, module.config.get_text_config(), layout)
         if self.shards:
             shard_inputs(st, kw, layout, outer_masks)
+            shard_side_inputs(kw, pairs, st.step)
             if cache is not None:  # the prompt's prefill: each rank keeps its tokens' keys and values
                 cache.begin_prefill(st.step)
         else:  # a vision-language model: its language model's hook shards the merged sequence (vlm_hooks)
