@@ -14,7 +14,7 @@ from .layout import Layout, build_step_batch, document_ids, pad_to
 from .outer_mask import resolve_attention_mask, step_blocks
 from .linear_ce import add_token_stats
 from .router_loss import global_aux
-from .side_inputs import (SPLIT_BY_HFCP, check_side_inputs, outer_model_labels, refuse_outer_labels,
+from .side_inputs import (SPLIT_BY_HFCP, check_side_inputs, outer_model_call, refuse_outer_call,
                           refuse_unsplit_sequence_inputs, shard_side_inputs, side_input_names)
 from .loss import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean, shift_labels
 
@@ -267,12 +267,13 @@ class ShardSequenceHook(ModelHook):
             st.fwd.decoding = True
             return (), kw
         pairs = st.patcher.token_side_inputs if self.shards else ()
-        outer = outer_model_labels(module) if self.shards and st.head != "causal_lm" else None
+        outer = outer_model_call(module) if self.shards and st.head != "causal_lm" else {}
         if st.check_inputs:  # a collective that cannot raise first: then every rank holds the same batch ...
-            check_same_batch({**kw, "labels": outer[1]} if outer else kw, st.mesh.cp_group,
-                             BATCH_NAMES + tuple(mask for mask, _ in pairs))
+            called_by = (bool(outer), bool(outer.get("router_logits")))  # (the outer model's labels: as "labels")
+            check_same_batch({**kw, "labels": outer.get("labels"), "outer model": called_by}, st.mesh.cp_group,
+                             BATCH_NAMES + tuple(mask for mask, _ in pairs) + ("outer model",))
         if outer:  # ... and these raise alike
-            refuse_outer_labels(module, outer[0])
+            refuse_outer_call(module, outer)
         x, labels, targets_full = check_lm_batch(module, kw, st.head == "causal_lm")
         if self.shards:  # (a VLM's outer model: its language model's hook checks what reaches it)
             check_side_inputs(module, kw, pairs, x.shape[:2])

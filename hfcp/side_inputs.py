@@ -88,32 +88,47 @@ def refuse_unsplit_sequence_inputs(module, kw: dict, known, batch: int, length: 
                          "(hfcp.patch(model)) where its type is supported; else leave them out")
 
 
-def outer_model_labels(module, depth: int = 64):
-    """(outer model, labels) when `module`, a patched model whose head computes no loss (a language model patched
-    alone), runs inside the forward of a transformers model that contains it and was called with labels: that
-    model computes its loss from this rank's shard of the logits against the whole labels. Else None. Read from
-    the call stack (the outer model is not patched, so no hook of hfcp's sees its arguments)."""
+def outer_model_call(module, depth: int = 64) -> dict:
+    """What the outer model's forward was called with when `module`, a patched model whose head computes no loss (a
+    language model patched alone), runs inside the forward of a transformers model that contains it: {"owner": that
+    model, "labels": its labels tensor, "router_logits": whether it outputs router logits}, or {} when no such
+    model called it. Read from the call stack: the outer model is not patched, so no hook of hfcp's sees its
+    arguments. Its labels would be compared with this rank's shard of the logits, and its router aux loss taken over
+    this rank's router logits only."""
     from transformers import PreTrainedModel
 
+    found = {}
     frame = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
-            return None
+            break
         if frame.f_code.co_name == "forward":
             local = frame.f_locals
-            owner, labels = local.get("self"), local.get("labels")
-            if (isinstance(owner, PreTrainedModel) and owner is not module and isinstance(labels, torch.Tensor)
+            owner = local.get("self")
+            labels, router = local.get("labels"), local.get("output_router_logits")
+            if (isinstance(owner, PreTrainedModel) and owner is not module
+                    and (isinstance(labels, torch.Tensor) or router is True)
                     and any(m is module for m in owner.modules())):
-                return owner, labels
+                found.setdefault("owner", owner)
+                if isinstance(labels, torch.Tensor):
+                    found.setdefault("labels", labels)
+                found["router_logits"] = found.get("router_logits", False) or router is True
         frame = frame.f_back
-    return None
+    return found
 
 
-def refuse_outer_labels(module, owner) -> None:
-    """Raises ValueError: the outer model `owner` of the patched language model `module` was called with labels."""
-    raise ValueError(f"{type(owner).__name__} was called with labels, but only its {type(module).__name__} is "
-                     "hfcp-patched: it would compute the loss from this rank's shard of the logits against the whole "
-                     "labels. Call it with labels=None and compute the loss from the whole logits, "
-                     "hfcp.gather_sequence(out.logits, language_model), shifting the labels over the whole sequence; "
-                     "or patch the whole model, hfcp.patch(model), where its type is supported: hfcp then computes "
-                     "the loss from the labels itself (chunked, no whole logits)")
+def refuse_outer_call(module, outer: dict) -> None:
+    """Raises ValueError when the outer model (outer_model_call) of the patched language model `module` computes
+    something from the whole sequence that this rank holds a shard of: a loss from labels, a router aux loss."""
+    owner = type(outer["owner"]).__name__
+    if outer.get("labels") is not None:
+        raise ValueError(f"{owner} was called with labels, but only its {type(module).__name__} is hfcp-patched: it "
+                         "would compute the loss from this rank's shard of the logits against the whole labels. Call "
+                         "it with labels=None and compute the loss from the whole logits, "
+                         "hfcp.gather_sequence(out.logits, language_model), shifting the labels over the whole "
+                         "sequence; or patch the whole model, hfcp.patch(model), where its type is supported: hfcp "
+                         "then computes the loss from the labels itself (chunked, no whole logits)")
+    if outer.get("router_logits"):
+        raise ValueError(f"{owner} outputs router logits (output_router_logits=True, argument or config), but only "
+                         f"its {type(module).__name__} is hfcp-patched: it would compute the MoE router aux loss "
+                         "from this rank's tokens only. Pass output_router_logits=False")

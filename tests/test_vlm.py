@@ -146,8 +146,8 @@ def test_vlm_side_inputs_that_do_not_match_the_sequence_are_refused(kw, message)
 
 # the language model patched alone (hfcp.patch(model.model.language_model)), the outer model called with its vision
 # tower whole on every rank: the loss from the gathered logits and every gradient equal the unpatched model's
-INNER_CASES = [("qwen3_vl", "two_images"), ("qwen3_vl", "video"), ("qwen3_5", "video"), ("llava", "one_image"),
-               ("gemma3", "left_padding"), ("idefics3", "two_images")]
+INNER_CASES = [("qwen3_vl", "two_images"), ("qwen3_vl", "video"), ("qwen3_vl_moe", "two_images"),
+               ("qwen3_5", "video"), ("llava", "one_image"), ("gemma3", "left_padding"), ("idefics3", "two_images")]
 
 
 @pytest.mark.parametrize("kind, case", INNER_CASES)
@@ -173,6 +173,9 @@ def test_vlm_language_model_patched_alone_is_exact(pool2, kind, case):
     ("qwen3_vl", "unknown_side_input", "Qwen3VLTextModel got ['visual_pos_masks'], tensors of the whole sequence "
                                        "(2, 40)"),
     ("llava", "direct_extra_tensor", "LlamaModel got ['extra_states'], tensors of the whole sequence (2, 40)"),
+    # the outer model's MoE router aux loss would be taken over this rank's router logits (silently, before)
+    ("qwen3_vl_moe", "router_logits", "it would compute the MoE router aux loss from this rank's tokens only. Pass "
+                                      "output_router_logits=False"),
 ])
 def test_vlm_language_model_patched_alone_refuses_what_it_cannot_split(pool2, kind, what, message):
     import workers_vlm_inner as WI

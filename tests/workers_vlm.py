@@ -68,17 +68,19 @@ def tiny_vlm(kind: str, text: str | None = None):
                               text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
                               vision_start_token_id=START)
         cls = T.Qwen2VLForConditionalGeneration
-    elif kind == "qwen3_vl":  # deepstack: features of vision layers 0 and 1 added to the first text layers' tokens
-        text = dict(model_type="qwen3_vl_text", **_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                         "mrope_section": [1, 1, 2],
-                                                                         "mrope_interleaved": True})
-        cfg = T.Qwen3VLConfig(vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64,
+    elif kind in ("qwen3_vl", "qwen3_vl_moe"):  # deepstack: features of vision layers 0 and 1 added to the first
+        # text layers' tokens; the MoE variant's text layers route each token to 2 of 4 experts
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if kind == "qwen3_vl_moe" else {}
+        text = dict(model_type=f"{kind}_text", **_TEXT, **moe,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                     "mrope_interleaved": True})
+        cfg = (T.Qwen3VLMoeConfig if moe else T.Qwen3VLConfig)(vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64,
                                                  num_heads=2, patch_size=2, spatial_merge_size=2,
                                                  temporal_patch_size=2, in_channels=3, num_position_embeddings=16,
                                                  deepstack_visual_indexes=[0, 1]),
                               text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
                               vision_start_token_id=START)
-        cls = T.Qwen3VLForConditionalGeneration
+        cls = T.Qwen3VLMoeForConditionalGeneration if moe else T.Qwen3VLForConditionalGeneration
     elif kind == "qwen3_5":  # Qwen3-VL's tower without deepstack; text layers gated delta nets and attention
         # partial rotary as in Qwen3.5 (half of a 16 head dim rotates: 4 frequencies, the mRoPE sections' sum)
         text = dict(model_type="qwen3_5_text", **{**_TEXT, "head_dim": 16},
@@ -114,7 +116,8 @@ def tiny_vlm(kind: str, text: str | None = None):
 
 
 SIXTEEN = ("llava", "gemma3", "paligemma")  # 16 image tokens per image (the others: 4)
-FRAMES_APART = ("qwen3_vl", "qwen3_5")  # a timestamp token between a video's frames (their rope index splits them)
+FRAMES_APART = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")  # a timestamp token between a video's frames (the rope
+# index splits them)
 
 
 def vlm_batch(kind: str, case: str) -> dict:

@@ -65,7 +65,8 @@ def compare(kind: str, case: str, strategy: str = "ring") -> dict:
 def refused(kind: str, what: str) -> str:
     """The error every rank raises (no hang) for: "labels" passed to the outer model; "unknown_side_input", the
     language model's record made to know no side inputs, so that Qwen3-VL's visual_pos_masks reach it unsplit;
-    "direct_extra_tensor", a (batch, seq, hidden) tensor keyword passed to the patched language model itself."""
+    "direct_extra_tensor", a (batch, seq, hidden) tensor keyword passed to the patched language model itself;
+    "router_logits", a MoE VLM whose config asks for router logits (its outer model's aux loss)."""
     from hfcp.registry import REGISTRY, Patcher
 
     model = tiny_vlm(kind)
@@ -73,6 +74,8 @@ def refused(kind: str, what: str) -> str:
     labels = batch.pop("labels")
     lm = language_model(model)
     record = REGISTRY.get(lm.config.model_type)
+    if what == "router_logits":
+        model.config.text_config.output_router_logits = True
     if what == "unknown_side_input":
         REGISTRY.register(Patcher(model_type=record.model_type, attention_classes=(), read_from_model=True),
                           replace=True)
