@@ -267,17 +267,7 @@ class ShardSequenceHook(ModelHook):
             st.fwd.decoding = True
             return (), kw
         pairs = st.patcher.token_side_inputs if self.shards else ()
-        outer = outer_model_call(module) if self.shards and st.head != "causal_lm" else {}
-        if st.check_inputs:  # a collective that cannot raise first: then every rank holds the same batch ...
-            called_by = (bool(outer), bool(outer.get("router_logits")))  # (the outer model's labels: as "labels")
-            check_same_batch({**kw, "labels": outer.get("labels"), "outer model": called_by}, st.mesh.cp_group,
-                             BATCH_NAMES + tuple(mask for mask, _ in pairs) + ("outer model",))
-        if outer:  # ... and these raise alike
-            refuse_outer_call(module, outer)
-        x, labels, targets_full = check_lm_batch(module, kw, st.head == "causal_lm")
-        if self.shards:  # (a VLM's outer model: its language model's hook checks what reaches it)
-            check_side_inputs(module, kw, pairs, x.shape[:2])
-            refuse_unsplit_sequence_inputs(module, kw, SPLIT_BY_HFCP | side_input_names(pairs), *x.shape[:2])
+        x, labels, targets_full = self._check_batch(module, kw, pairs)
         st.fwd.router_logits_wanted = router_logits_wanted(st, module, kw)
         if "use_cache" in inspect.signature(module._old_forward).parameters:
             kw["use_cache"] = cache is not None
@@ -311,6 +301,27 @@ class ShardSequenceHook(ModelHook):
             if self._chunk:
                 self._chunk_head(module)
         return (), kw
+
+    def _check_batch(self, module, kw: dict, pairs):
+        """check_lm_batch's (x, labels, targets) after the checks of the whole batch, in an order that never hangs:
+        first the same-batch digest (a collective that cannot raise), then what raises on every rank alike: what an
+        outer model that called a base model patched alone computes from the whole sequence (its labels, its router
+        aux loss), the batch, the record's token side inputs, tensors of the whole sequence hfcp cannot split."""
+        st = self.state
+        alone = self.shards and st.head != "causal_lm"  # a base model: maybe a language model patched alone
+        outer = outer_model_call(module) if alone else {}
+        if st.check_inputs:
+            names = BATCH_NAMES + tuple(mask for mask, _ in pairs) + (("outer model",) if alone else ())
+            called_by = (bool(outer), bool(outer.get("router_logits")))  # (the outer model's labels: as "labels")
+            seen = {**kw, "labels": outer.get("labels", kw.get("labels")), "outer model": called_by} if alone else kw
+            check_same_batch(seen, st.mesh.cp_group, names)
+        if outer:
+            refuse_outer_call(module, outer)
+        x, labels, targets = check_lm_batch(module, kw, st.head == "causal_lm")
+        if self.shards:  # (a VLM's outer model: its language model's hook checks what reaches it)
+            check_side_inputs(module, kw, pairs, x.shape[:2])
+            refuse_unsplit_sequence_inputs(module, kw, SPLIT_BY_HFCP | side_input_names(pairs), *x.shape[:2])
+        return x, labels, targets
 
     def _chunk_head(self, module):
         """For this forward, the output head computes the loss sum chunk by chunk instead of the logits."""
