@@ -6,7 +6,7 @@ import inspect
 import torch
 from accelerate.hooks import ModelHook
 
-from .checks import check_same_batch, check_shapes, check_token_range
+from .checks import BATCH_NAMES, check_same_batch, check_shapes, check_token_range
 from .distributed.collectives import all_reduce_no_grad, all_reduce_sum
 from .forward_data import ForwardData
 from .generation import generation_cache, prepare_decode, return_cache
@@ -15,6 +15,8 @@ from .outer_mask import resolve_attention_mask, step_blocks
 from .step_token import step_token
 from .linear_ce import add_token_stats
 from .router_loss import global_aux
+from .side_inputs import (SPLIT_BY_HFCP, check_side_inputs, outer_model_call, refuse_outer_call,
+                          refuse_unsplit_sequence_inputs, shard_side_inputs, side_input_names)
 from .state import check_loss_chunk
 from .loss import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean, shift_labels
 
@@ -256,9 +258,8 @@ class ShardSequenceHook(ModelHook):
             prepare_decode(st, module, kw, cache, step_token)
             st.fwd.decoding = True
             return (), kw
-        if st.check_inputs:  # a collective that cannot raise first: then every rank holds the same batch ...
-            check_same_batch(kw, st.mesh.cp_group)
-        x, labels, targets_full = check_lm_batch(module, kw, st.head == "causal_lm")  # ... and these raise alike
+        pairs = st.patcher.token_side_inputs if self.shards else ()
+        x, labels, targets_full = self._check_batch(module, kw, pairs)
         st.fwd.router_logits_wanted = router_logits_wanted(st, module, kw)
         if "use_cache" in inspect.signature(module._old_forward).parameters:
             kw["use_cache"] = cache is not None
@@ -266,6 +267,7 @@ class ShardSequenceHook(ModelHook):
         check_length_limit(st.patcher, module.config.get_text_config(), layout)
         if self.shards:
             shard_inputs(st, kw, layout, outer_masks)
+            shard_side_inputs(kw, pairs, st.step)
             if cache is not None:  # the prompt's prefill: each rank keeps its tokens' keys and values
                 cache.begin_prefill(st.step)
         else:  # a vision-language model: its language model's hook shards the merged sequence (vlm_hooks)
@@ -291,6 +293,27 @@ class ShardSequenceHook(ModelHook):
             if self._chunk:
                 self._chunk_head(module)
         return (), kw
+
+    def _check_batch(self, module, kw: dict, pairs):
+        """check_lm_batch's (x, labels, targets) after the checks of the whole batch, in an order that never hangs:
+        first the same-batch digest (a collective that cannot raise), then what raises on every rank alike: what an
+        outer model that called a base model patched alone computes from the whole sequence (its labels, its router
+        aux loss), the batch, the record's token side inputs, tensors of the whole sequence hfcp cannot split."""
+        st = self.state
+        alone = self.shards and st.head != "causal_lm"  # a base model: maybe a language model patched alone
+        outer = outer_model_call(module) if alone else {}
+        if st.check_inputs:
+            names = BATCH_NAMES + tuple(mask for mask, _ in pairs) + (("outer model",) if alone else ())
+            called_by = (bool(outer), bool(outer.get("router_logits")))  # (the outer model's labels: as "labels")
+            seen = {**kw, "labels": outer.get("labels", kw.get("labels")), "outer model": called_by} if alone else kw
+            check_same_batch(seen, st.mesh.cp_group, names)
+        if outer:
+            refuse_outer_call(module, outer)
+        x, labels, targets = check_lm_batch(module, kw, st.head == "causal_lm")
+        if self.shards:  # (a VLM's outer model: its language model's hook checks what reaches it)
+            check_side_inputs(module, kw, pairs, x.shape[:2])
+            refuse_unsplit_sequence_inputs(module, kw, SPLIT_BY_HFCP | side_input_names(pairs), *x.shape[:2])
+        return x, labels, targets
 
     def _chunk_head(self, module):
         """For this forward, the output head computes the loss sum chunk by chunk instead of the logits."""

@@ -19,9 +19,9 @@ import inspect
 import torch
 from accelerate.hooks import ModelHook
 
-from .layout import pad_to
 from .lm_hooks import as_kwargs, shard_inputs
 from .outer_mask import resolve_attention_mask
+from .side_inputs import check_side_inputs, shard_side_inputs, side_input_names
 
 # what the language model of a VLM may receive besides the merged sequence and its record's token_side_inputs; any
 # other argument is a side input hfcp does not know how to split, and is refused
@@ -74,7 +74,7 @@ class LanguageModelHook(ModelHook):
             raise ValueError(f"the merged sequence has {embeds.shape[1]} tokens but input_ids had {layout.seq_len}: hfcp "
                              "splits the sequence as input_ids give it (image tokens expanded by the processor)")
         pairs = st.patcher.token_side_inputs
-        known = LANGUAGE_MODEL_INPUTS | {name for pair in pairs for name in pair}
+        known = LANGUAGE_MODEL_INPUTS | side_input_names(pairs)
         side = sorted(k for k, v in kw.items() if k not in known and v is not None and v is not False)
         if side:
             raise ValueError(f"{type(module).__name__} got {side} beside the merged sequence: hfcp does not know how "
@@ -89,47 +89,6 @@ class LanguageModelHook(ModelHook):
         if "use_cache" in inspect.signature(module._old_forward).parameters:
             kw["use_cache"] = st.fwd.cache is not None
         return (), kw
-
-
-def check_side_inputs(module, kw: dict, pairs, batch_len) -> None:
-    """Raises ValueError for a token side input that does not match the merged (B, L) sequence (decided by the
-    call, so on every rank alike)."""
-    for mask_name, rows_name in pairs:
-        mask, rows = kw.get(mask_name), kw.get(rows_name)
-        if mask is None:
-            if rows is not None:
-                raise ValueError(f"{type(module).__name__} got {rows_name} without {mask_name}, which says whose rows "
-                                 "they are: hfcp cannot split them")
-            continue
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != tuple(batch_len):
-            raise ValueError(f"{type(module).__name__}: {mask_name} must be a bool tensor of the merged sequence's shape "
-                             f"{tuple(batch_len)}, got {getattr(mask, 'dtype', type(mask).__name__)} "
-                             f"{tuple(getattr(mask, 'shape', ()))}")
-        n = int(mask.sum())
-        for t in (rows if isinstance(rows, (list, tuple)) else [rows] if rows is not None else []):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
-                raise ValueError(f"{type(module).__name__}: {rows_name} holds rows of shape "
-                                 f"{tuple(getattr(t, 'shape', ()))} for the {n} positions of {mask_name}; they must "
-                                 "match one to one")
-
-
-def shard_side_inputs(kw: dict, pairs, sb) -> None:
-    """Each (mask, rows) side input -> this rank's part: the mask's local columns (layout order), and the rows of
-    the mask's True entries among them, in the row-major order the local mask enumerates them."""
-    for mask_name, rows_name in pairs:
-        mask = kw.get(mask_name)
-        if mask is None:
-            continue
-        B, L = mask.shape
-        P, idx = sb.layout.padded_len, sb.local_index.to(mask.device)
-        order = (mask.reshape(-1).long().cumsum(0) - 1).view(B, L)  # (B, L) row number of each True entry
-        local = pad_to(mask, P, 1, False).index_select(1, idx)  # (B, L/cp)
-        take = pad_to(order, P, 1, 0).index_select(1, idx)[local]  # (n_local,)
-        kw[mask_name] = local
-        rows = kw.get(rows_name)
-        if rows is not None:
-            one = lambda t: t.index_select(0, take.to(t.device))  # noqa: E731
-            kw[rows_name] = type(rows)(one(t) for t in rows) if isinstance(rows, (list, tuple)) else one(rows)
 
 
 def clear_layout_after(outer, state):

@@ -44,3 +44,7 @@ for _type in ("qwen2_vl_text", "qwen2_5_vl_text"):
     register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True))
 register_patcher(Patcher(model_type="qwen3_vl_text", attention_classes=(), read_from_model=True,
                          token_side_inputs=(("visual_pos_masks", "deepstack_visual_embeds"),)))
+# Qwen3-VL-MoE's language model: Qwen3-VL's deepstack side inputs, MoE MLPs (token-wise). Exact patched alone
+# (hfcp.patch(model.model.language_model)) with output_router_logits off (tests/test_vlm.py)
+register_patcher(Patcher(model_type="qwen3_vl_moe_text", attention_classes=(), read_from_model=True,
+                         token_side_inputs=(("visual_pos_masks", "deepstack_visual_embeds"),)))

@@ -138,7 +138,47 @@ def test_vlm_deepstack_side_inputs_at_cp4_and_with_ulysses(pool4, pool2):
     (dict(deepstack_visual_embeds=[torch.zeros(3, 4)]), "without visual_pos_masks"),
 ])
 def test_vlm_side_inputs_that_do_not_match_the_sequence_are_refused(kw, message):
-    from hfcp.vlm_hooks import check_side_inputs
+    from hfcp.side_inputs import check_side_inputs
 
     with pytest.raises(ValueError, match=message):
         check_side_inputs(torch.nn.Identity(), kw, (("visual_pos_masks", "deepstack_visual_embeds"),), (2, 8))
+
+
+# the language model patched alone (hfcp.patch(model.model.language_model)), the outer model called with its vision
+# tower whole on every rank: the loss from the gathered logits and every gradient equal the unpatched model's
+INNER_CASES = [("qwen3_vl", "two_images"), ("qwen3_vl", "video"), ("qwen3_vl_moe", "two_images"),
+               ("qwen3_5", "video"), ("llava", "one_image"), ("gemma3", "left_padding"), ("idefics3", "two_images")]
+
+
+@pytest.mark.parametrize("kind, case", INNER_CASES)
+def test_vlm_language_model_patched_alone_is_exact(pool2, kind, case):
+    # Qwen3-VL: the outer model passes the whole sequence's visual_pos_masks and deepstack rows, split as on the
+    # whole-model path (an IndexError in _deepstack_process before); the language model holds half the tokens
+    import workers_vlm_inner as WI
+
+    for r in pool2.run(WI.compare, kind, case):
+        assert r["local_len"] == r["seq_len"] // 2, r
+        assert r["same_keys"] and r["loss_err"] < 1e-5 and r["logits_err"] < 1e-5 and r["grad_err"] < 1e-4, r
+        assert r["vision_grad_err"] < 1e-4, r
+
+
+@pytest.mark.parametrize("kind, what, message", [
+    # the outer model would compare this rank's shard of the logits with the whole labels (a raw batch-size
+    # ValueError from torch's cross entropy before)
+    ("qwen3_vl", "labels", "Qwen3VLForConditionalGeneration was called with labels, but only its Qwen3VLTextModel "
+                           "is hfcp-patched"),
+    ("llava", "labels", "call it with labels=None and compute the loss from the whole logits, "
+                        "hfcp.gather_sequence(out.logits, language_model)"),
+    # a whole-sequence tensor hfcp does not know how to split, by name: from the outer model, and passed directly
+    ("qwen3_vl", "unknown_side_input", "Qwen3VLTextModel got ['visual_pos_masks'], tensors of the whole sequence "
+                                       "(2, 40)"),
+    ("llava", "direct_extra_tensor", "LlamaModel got ['extra_states'], tensors of the whole sequence (2, 40)"),
+    # the outer model's MoE router aux loss would be taken over this rank's router logits (silently, before)
+    ("qwen3_vl_moe", "router_logits", "it would compute the MoE router aux loss from this rank's tokens only. Pass "
+                                      "output_router_logits=False"),
+])
+def test_vlm_language_model_patched_alone_refuses_what_it_cannot_split(pool2, kind, what, message):
+    import workers_vlm_inner as WI
+
+    for msg in pool2.run(WI.refused, kind, what):
+        assert msg.startswith("ValueError") and message.lower() in msg.lower(), msg

@@ -73,18 +73,32 @@ def tiny_vlm(kind: str, text: str | None = None):
                               text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
                               vision_start_token_id=START)
         cls = T.Qwen2VLForConditionalGeneration
-    elif kind == "qwen3_vl":  # deepstack: features of vision layers 0 and 1 added to the first text layers' tokens
-        text = dict(model_type="qwen3_vl_text", **_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                         "mrope_section": [1, 1, 2],
-                                                                         "mrope_interleaved": True})
-        cfg = T.Qwen3VLConfig(vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64,
+    elif kind in ("qwen3_vl", "qwen3_vl_moe"):  # deepstack: features of vision layers 0 and 1 added to the first
+        # text layers' tokens; the MoE variant's text layers route each token to 2 of 4 experts
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if kind == "qwen3_vl_moe" else {}
+        text = dict(model_type=f"{kind}_text", **_TEXT, **moe,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                     "mrope_interleaved": True})
+        cfg = (T.Qwen3VLMoeConfig if moe else T.Qwen3VLConfig)(vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64,
                                                  num_heads=2, patch_size=2, spatial_merge_size=2,
                                                  temporal_patch_size=2, in_channels=3, num_position_embeddings=16,
                                                  deepstack_visual_indexes=[0, 1]),
                               text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
                               vision_start_token_id=START)
-        cls = T.Qwen3VLForConditionalGeneration
-    else:  # Qwen2.5-VL: windowed vision attention (a 2 x 2 window of merged patches), one full-attention block
+        cls = T.Qwen3VLMoeForConditionalGeneration if moe else T.Qwen3VLForConditionalGeneration
+    elif kind == "qwen3_5":  # Qwen3-VL's tower without deepstack; text layers gated delta nets and attention
+        # partial rotary as in Qwen3.5 (half of a 16 head dim rotates: 4 frequencies, the mRoPE sections' sum)
+        text = dict(model_type="qwen3_5_text", **{**_TEXT, "head_dim": 16},
+                    layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                     "mrope_interleaved": True, "partial_rotary_factor": 0.5})
+        cfg = T.Qwen3_5Config(vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64,
+                                                 num_heads=2, patch_size=2, spatial_merge_size=2,
+                                                 temporal_patch_size=2, in_channels=3, num_position_embeddings=16),
+                              text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
+                              vision_start_token_id=START)
+        cls = T.Qwen3_5ForConditionalGeneration
+    elif kind == "qwen2_5_vl":  # windowed vision attention (a 2 x 2 window of merged patches), one full-attention block
         text = dict(model_type="qwen2_5_vl_text", **_TEXT,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
         cfg = T.Qwen2_5_VLConfig(vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64,
@@ -94,6 +108,8 @@ def tiny_vlm(kind: str, text: str | None = None):
                                  text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
                                  vision_start_token_id=START)
         cls = T.Qwen2_5_VLForConditionalGeneration
+    else:  # a kind without its own config here must not fall through to another model's
+        raise ValueError(f"tiny_vlm has no config for kind {kind!r}")
     cfg._attn_implementation = "eager" if kind == "paligemma" else "sdpa"  # Gemma 2 has no sdpa path
     torch.manual_seed(0)
     model = cls(copy.deepcopy(cfg)).float().train()
@@ -105,6 +121,8 @@ def tiny_vlm(kind: str, text: str | None = None):
 
 
 SIXTEEN = ("llava", "gemma3", "paligemma")  # 16 image tokens per image (the others: 4)
+FRAMES_APART = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")  # a timestamp token between a video's frames (the rope
+# index splits them)
 
 
 def vlm_batch(kind: str, case: str) -> dict:
@@ -116,9 +134,9 @@ def vlm_batch(kind: str, case: str) -> dict:
     ids = torch.randint(3, 88, (B, L), generator=g)
     per_image = 16 if kind in SIXTEEN else 4  # siglip 16x16 / 4: 16 patches; qwen2-vl 1x4x4 patches merged 2x2: 4
     if case == "video":
-        return _video_batch(ids, frames_apart=kind == "qwen3_vl")
+        return _video_batch(ids, frames_apart=kind in FRAMES_APART)
     if case == "one_video":
-        return _one_video_batch(ids, frames_apart=kind == "qwen3_vl")
+        return _one_video_batch(ids, frames_apart=kind in FRAMES_APART)
     two = [[2, 21], [4, 23]] if kind in SIXTEEN else [[3, 24], [10, 30]]
     starts = {"one_image": [[5], [18]], "two_images": two, "left_padding": [[12], [4]], "text_only": [[], []],
               "too_few_tokens": [[5], [18]], "other_image_on_rank_1": [[5], [18]], "three_images": [two[0], [18]]}[case]
