@@ -7,7 +7,7 @@ from .distributed.data import average_gradients, data_parallel_rank_and_size
 from .outputs import gather_outputs
 from .api import gather_sequence, patch, unpatch
 from .state import cp_state
-from .registry import Patcher, UnsupportedModelError, register_patcher, supported_model_types
+from .families.registry import Patcher, UnsupportedModelError, register_patcher, supported_model_types
 
 from . import patches  # noqa: E402,F401  (registers the families; installed from the repo's patches/)
 

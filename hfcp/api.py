@@ -1,6 +1,6 @@
 """hfcp.patch / hfcp.unpatch / hfcp.gather_sequence: the one-line surgery and its inverse.
 
-patch reads as a script: the settings checked, the model's record and plan resolved (hfcp/resolve.py: everything
+patch reads as a script: the settings checked, the model's record and plan resolved (hfcp/families/resolve.py: everything
 that can refuse, before any collective), the mesh built, then one attach per model kind (hfcp/attach.py), each
 change pushing its undo on the state, which unpatch pops.
 """
@@ -13,9 +13,9 @@ import torch
 from .attach import ATTACH, attach_attention
 from .distributed.collectives import all_gather
 from .distributed.mesh import build_mesh
-from .hf_attention import register_with_transformers
-from .linear_ce import IDENTITY
-from .resolve import attention_group, patcher_for, plan_patch, router_aux_for
+from .attention.interface import register_with_transformers
+from .loss.linear_ce import IDENTITY
+from .families.resolve import attention_group, patcher_for, plan_patch, router_aux_for
 from .state import CPState, Settings, cp_state, find_pretrained
 
 log = logging.getLogger("hfcp")

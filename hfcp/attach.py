@@ -11,20 +11,22 @@ import functools
 
 from accelerate.hooks import ModelHook, SequentialHook, add_hook_to_module, remove_hook_from_module
 
-from . import generation, mixers, rope, vision_hooks, vlm_hooks
-from .hf_attention import KEY
-from .lm_hooks import ShardSequenceHook
-from .resolve import Plan
-from .router_loss import RouterStatsHook
+from .attention.interface import KEY
+from .families.resolve import Plan
+from .hooks import rope, vision, vlm
+from .hooks.causal_lm import LossHook, ShardSequenceHook
+from .hooks.vision_tower import VisionTowerSplitHook, splits_frames
+from .hooks.vlm import LanguageModelHook
+from .inference import generate
+from .loss.router import RouterStatsHook
+from .mixers import bind, unbind
 from .state import CPState
-from .vision_split import VisionTowerSplitHook, splits_frames
-from .vlm_hooks import LanguageModelHook
 
 
 def attach_attention(state: CPState, inner, plan: Plan) -> None:
     """The record's other mixers bound (first: they may refuse), hfcp's attention function set on the owner."""
-    restores = mixers.bind(state, plan.owner, plan.patcher)
-    state.undo.append(functools.partial(mixers.unbind, restores))
+    restores = bind(state, plan.owner, plan.patcher)
+    state.undo.append(functools.partial(unbind, restores))
     plan.owner.set_attn_implementation(KEY)
     state.undo.append(functools.partial(plan.owner.set_attn_implementation, state.original_attn))
     marked = [inner, *plan.modules]
@@ -43,9 +45,9 @@ def attach_causal_lm(state: CPState, inner, plan: Plan) -> None:
 
 
 def attach_vlm(state: CPState, inner, plan: Plan) -> None:
-    add_hook(state, inner, ShardSequenceHook(state, shards=False))  # the loss at the outer model
+    add_hook(state, inner, LossHook(state))  # the loss at the outer model
     add_hook(state, plan.owner, LanguageModelHook(state))  # the sharding at its language model's input
-    state.undo.append(vlm_hooks.clear_layout_after(inner, state))
+    state.undo.append(vlm.clear_layout_after(inner, state))
     if hasattr(inner, "generate"):
         _wrap_generate(state, inner)
     if plan.patcher.vision_tower:  # each rank encodes its share of the images
@@ -55,7 +57,7 @@ def attach_vlm(state: CPState, inner, plan: Plan) -> None:
 
 
 def attach_vision(state: CPState, inner, plan: Plan) -> None:
-    for module, hook in vision_hooks.attach(inner, state, plan.embeddings):
+    for module, hook in vision.attach(inner, state, plan.embeddings):
         state.undo.append(functools.partial(remove_hook, module, hook))
 
 
@@ -82,8 +84,8 @@ def remove_hook(module, ours: ModelHook) -> None:
 
 
 def _wrap_generate(state: CPState, inner) -> None:
-    generation.wrap_generate(inner, state.mesh.cp_group)
-    state.undo.append(functools.partial(generation.unwrap_generate, inner))
+    generate.wrap_generate(inner, state.mesh.cp_group)
+    state.undo.append(functools.partial(generate.unwrap_generate, inner))
 
 
 def _attach_rope(state: CPState, owner) -> None:

@@ -20,5 +20,5 @@ class ForwardData:
     router_logits_wanted: bool = False  # this forward records router logits: the aux loss is computed
     router_logits: tuple | None = None  # the local router logits, taken by RouterStatsHook
     pending_layout: object = None  # a VLM's layout between its outer model's hook and its language model's hook
-    cache: object = None  # generation: the ShardedKVCache of this forward (hfcp/kv_cache.py), None otherwise
+    cache: object = None  # generation: the ShardedKVCache of this forward (hfcp/inference/kv_cache.py), None otherwise
     decoding: bool = False  # a decode step (new tokens whole on every rank), not the prompt's prefill

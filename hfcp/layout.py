@@ -57,6 +57,11 @@ class Layout:
         """(local_len,) global index of each local token of `rank`."""
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.ranges(rank)])
 
+    def local(self, x: torch.Tensor, rank: int, dim: int = 1, fill=0) -> torch.Tensor:
+        """`rank`'s tokens of a whole-sequence tensor: `x` padded with `fill` to padded_len along `dim` (when it is
+        shorter), then that rank's columns in layout order. (B, L, ...) -> (B, padded_len/cp, ...) for dim 1."""
+        return pad_to(x, self.padded_len, dim, fill).index_select(dim, self.local_index(rank, x.device))
+
     def gathered_order(self, device=None) -> torch.Tensor:
         """(padded_len,) global index of each token of the rank-order concatenation of all local slices."""
         return torch.cat([self.local_index(r, device) for r in range(self.cp_size)])
@@ -110,6 +115,10 @@ class StepBatch:
     @property
     def local_index(self) -> torch.Tensor:
         return self.layout.local_index(self.rank)
+
+    def local(self, x: torch.Tensor, dim: int = 1, fill=0) -> torch.Tensor:
+        """This rank's tokens of a whole-sequence tensor (Layout.local)."""
+        return self.layout.local(x, self.rank, dim, fill)
 
 
 def build_step_batch(

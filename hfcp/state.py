@@ -18,8 +18,8 @@ from .attention import STRATEGIES
 from .distributed.mesh import Mesh, as_timedelta
 from .forward_data import ForwardData
 from .layout import StepBatch
-from .linear_ce import IDENTITY, LogitTransform
-from .registry import Patcher
+from .loss.linear_ce import IDENTITY, LogitTransform
+from .families.registry import Patcher
 
 
 def check_loss_chunk(value, name: str = "loss_chunk"):
@@ -82,7 +82,7 @@ class CPState:
     modules: list = field(default_factory=list)  # the attention modules
     attention_group: object = None  # what the strategy communicates over: the CP group, or usp's sub-groups
     router_aux: object = None  # RouterAux, None (no aux loss in the forward) or why hfcp cannot compute it
-    layer_steps: object = None  # hfcp.mixers.LayerSteps: the step each mixer call (and its recompute) belongs to
+    layer_steps: object = None  # hfcp.mixers.binding.LayerSteps: the step each mixer call (and its recompute) belongs to
     # what unpatch undoes, last first
     undo: list[Callable[[], None]] = field(default_factory=list)
     # the current step and forward

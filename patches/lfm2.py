@@ -2,7 +2,7 @@
 
 A short-conv layer computes y = out_proj(C * conv(B * x)), where in_proj(h) = (B, C, x) and conv is a causal
 depthwise convolution of kernel `conv_L_cache`; it mixes tokens only through that convolution, which hfcp computes
-over the global sequence with a halo from the previous chunk (hfcp/conv_halo.py). The attention layers are read
+over the global sequence with a halo from the previous chunk (hfcp/mixers/conv_halo.py). The attention layers are read
 from the model like any family. The module's own forward is replaced while patched, after checking that its code
 is the form above (a newer transformers that changes it is refused, not guessed).
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 import inspect
 import sys
 
-from hfcp.conv_halo import causal_depthwise_conv1d
-from hfcp.mixers import check_step_tokens, local_key_valid
-from hfcp.registry import Patcher, register_patcher
+from hfcp.mixers.conv_halo import causal_depthwise_conv1d
+from hfcp.mixers.binding import check_step_tokens, local_key_valid
+from hfcp.families.registry import Patcher, register_patcher
 
 from .verified import TRANSFORMERS_VERSION
 

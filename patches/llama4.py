@@ -2,7 +2,7 @@
 limit: its NoPE layers scale queries by a temperature computed from torch.arange over the tokens the layer sees
 (attn_temperature_tuning), which under CP is the index within a rank's shard. The scale is 1 for every token below
 floor_scale, so sequences shorter than that are exact and longer ones are refused."""
-from hfcp.registry import Patcher, register_patcher
+from hfcp.families.registry import Patcher, register_patcher
 
 from .verified import TRANSFORMERS_VERSION
 

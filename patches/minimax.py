@@ -7,7 +7,7 @@ sigmoid(output_gate(x)) and projected. The recurrence is inline in the layer's f
 reproduces it (the family's code is checked first against the source transformers 5.24 ships, a fingerprint: a
 version that changes it is refused, not guessed): the same projections, padding rule and blocks on each run of this
 rank's tokens, and the state at the run's start folded from the runs before it as a scalar decay per head
-(hfcp/state_fold.py `scalar_decay_over_ranks`: S^T plays Mamba-2's state, q its read vector).
+(hfcp/mixers/state_fold.py `scalar_decay_over_ranks`: S^T plays Mamba-2's state, q its read vector).
 
 What transformers does on one device, and hfcp reproduces: q, k and v are zeroed at padded positions (the family's
 `apply_mask_to_padding_states`, given this rank's columns of the padding, as for the other recurrent layers); the
@@ -20,13 +20,13 @@ import sys
 
 import torch
 
-from hfcp.mixers import check_source, check_step_tokens, local_key_valid
-from hfcp.registry import Patcher, register_patcher
-from hfcp.state_fold import scalar_decay_over_ranks
+from hfcp.mixers.binding import check_source, check_step_tokens, local_key_valid
+from hfcp.families.registry import Patcher, register_patcher
+from hfcp.mixers.state_fold import scalar_decay_over_ranks
 
 from .verified import TRANSFORMERS_VERSION
 
-# hfcp.mixers.source_fingerprint of the code hfcp reproduces: the forward, and the decays its blocks and the fold use
+# hfcp.mixers.binding.source_fingerprint of the code hfcp reproduces: the forward, and the decays its blocks and the fold use
 FINGERPRINTS = {"MiniMaxLightningAttention.forward": "03c3f915c0c99c09",
                 "MiniMaxLightningAttention.decay_factors": "ad8879a83947a830",
                 "MiniMaxLightningAttention.get_slope_rate": "c7263d11caad997b"}

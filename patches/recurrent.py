@@ -10,9 +10,9 @@ with mamba-ssm. While patched, hfcp runs the family's own forward code with thos
 context-parallel versions:
 - the padding: the family's rule, with this rank's columns of the padding from the step (the mask transformers
   passes the layer is cut to the local length, another rank's columns under CP);
-- the convolution: over the global sequence with a halo from the chunk before (hfcp/conv_halo.py);
+- the convolution: over the global sequence with a halo from the chunk before (hfcp/mixers/conv_halo.py);
 - the scan: the family's kernel on each run of this rank's tokens, with the state at the run's start folded from
-  the runs before it (hfcp/state_fold.py; Mamba-2's decay is a scalar per head, folded as such);
+  the runs before it (hfcp/mixers/state_fold.py; Mamba-2's decay is a scalar per head, folded as such);
 - the decode steps and the fused kernel (which has no halo): refused, or declined so that the torch path runs; the
   scan is always the family's torch kernel (flash-linear-attention's and mamba-ssm's have not run under hfcp).
 The forward's code is checked first: the globals it reads must be those names and torch, each token-mixing call
@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from hfcp.conv_halo import causal_depthwise_conv1d
-from hfcp.mixers import check_step_tokens, local_key_valid
-from hfcp.registry import Patcher, register_patcher
-from hfcp.state_fold import channel_decay_over_ranks, chunked_rule_over_ranks, scalar_decay_over_ranks
+from hfcp.mixers.conv_halo import causal_depthwise_conv1d
+from hfcp.mixers.binding import check_step_tokens, local_key_valid
+from hfcp.families.registry import Patcher, register_patcher
+from hfcp.mixers.state_fold import channel_decay_over_ranks, chunked_rule_over_ranks, scalar_decay_over_ranks
 
 from .verified import TRANSFORMERS_VERSION
 
@@ -118,7 +118,7 @@ def _delta_rule(kernel, step_of, group):
 def _mamba2_scan(kernel, step_of, group):
     """mamba2_chunk_scan over the global sequence. Its state h (B, H, head_dim, N) decays by one scalar per head and
     token, exp(A dt_t) with dt_t discretised as the kernel does (dt + dt_bias, softplus, clamped to dt_limit), and is
-    read by C_t: hfcp/state_fold.py's scalar-decay fold."""
+    read by C_t: hfcp/mixers/state_fold.py's scalar-decay fold."""
     def scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
              dt_limit=(0.0, float("inf")), return_final_states=False, seq_idx=None, cu_seqlens=None, **options):
         _refuse_state(initial_states, return_final_states, seq_idx if seq_idx is not None else cu_seqlens)
@@ -141,7 +141,7 @@ def _mamba2_scan(kernel, step_of, group):
 
 def _mamba1_scan(kernel, step_of, group):
     """mamba_selective_scan over the global sequence. Its state h (B, D, N) decays elementwise, by exp(A dt_t) with
-    dt_t discretised as the kernel does (dt + delta_bias, softplus), and is read by C_t: hfcp/state_fold.py's
+    dt_t discretised as the kernel does (dt + delta_bias, softplus), and is read by C_t: hfcp/mixers/state_fold.py's
     channel-decay fold. The gate z multiplies the output after the state's contribution, so the kernel runs without
     it and hfcp applies it to the corrected output."""
     def scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False,

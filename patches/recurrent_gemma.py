@@ -6,8 +6,8 @@ convolution of kernel `conv1d_width` and the RG-LRU, a linear recurrence whose s
 h_t = a_t * h_{t-1} + sqrt(1 - a_t^2) * (i_t * x_t), with per-channel gates a_t, i_t of the token alone and a_t = 0
 at a document start (position id 0). These two are its only token mixing. While patched, hfcp runs the family's own
 forward code of both modules, on a view of the module whose convolution is hfcp's over the global sequence (a halo
-from the chunk before, hfcp/conv_halo.py) and whose scan is the family's own `_rnn_scan` on each run of this rank's
-tokens, the state at the run's start folded from the runs before it (hfcp/state_fold.py `gated_sum_over_ranks`).
+from the chunk before, hfcp/mixers/conv_halo.py) and whose scan is the family's own `_rnn_scan` on each run of this rank's
+tokens, the state at the run's start folded from the runs before it (hfcp/mixers/state_fold.py `gated_sum_over_ranks`).
 
 The code of the three functions is checked first against the source transformers 5.24 ships (a fingerprint): a
 version that changes any of them is refused, not guessed.
@@ -22,14 +22,14 @@ import inspect
 
 import torch
 
-from hfcp.conv_halo import causal_depthwise_conv1d
-from hfcp.mixers import check_source, check_step_tokens
-from hfcp.registry import Patcher, register_patcher
-from hfcp.state_fold import gated_sum_over_ranks
+from hfcp.mixers.conv_halo import causal_depthwise_conv1d
+from hfcp.mixers.binding import check_source, check_step_tokens
+from hfcp.families.registry import Patcher, register_patcher
+from hfcp.mixers.state_fold import gated_sum_over_ranks
 
 from .verified import TRANSFORMERS_VERSION
 
-# hfcp.mixers.source_fingerprint of each function whose code hfcp runs, as transformers 5.24 has it
+# hfcp.mixers.binding.source_fingerprint of each function whose code hfcp runs, as transformers 5.24 has it
 FINGERPRINTS = {"RecurrentGemmaRecurrentBlock.forward": "cce3570274ab15aa",
                 "RecurrentGemmaRglru.forward": "b4ad72fdf0d80030",
                 "RecurrentGemmaRglru._rnn_scan": "edcf0cbffabce491"}

@@ -1,4 +1,4 @@
-from hfcp.registry import Patcher, register_patcher
+from hfcp.families.registry import Patcher, register_patcher
 
 register_patcher(Patcher(
     model_type="timesformer", attention_classes=(),

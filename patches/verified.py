@@ -2,7 +2,7 @@
 
 Each is supported by reading its attention modules from the model at patch time, which also refuses a model
 of the family whose layers mix tokens otherwise (hybrid configurations the tiny sweep model did not have)."""
-from hfcp.registry import Patcher, register_patcher
+from hfcp.families.registry import Patcher, register_patcher
 
 TRANSFORMERS_VERSION = "5.24.0"  # the version the sweep ran with
 VERIFIED = (

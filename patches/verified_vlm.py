@@ -3,7 +3,7 @@ scripts/support_matrix.py: do not edit).
 
 Each is supported with its language model and vision tower read from the model (patches/vlm.py); the text
 types they need are registered as read-from-model families, checked at patch time."""
-from hfcp.registry import Patcher, register_patcher
+from hfcp.families.registry import Patcher, register_patcher
 
 TRANSFORMERS_VERSION = "5.24.0"  # the version the sweep ran with
 VERIFIED = (

@@ -1,5 +1,5 @@
 # Tokens are sharded after ViTEmbeddings (patch embedding + CLS + position, interpolated or not).
-from hfcp.registry import Patcher, register_patcher
+from hfcp.families.registry import Patcher, register_patcher
 
 register_patcher(Patcher(
     model_type="vit", attention_classes=("ViTAttention",), causal=False,

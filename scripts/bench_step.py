@@ -114,7 +114,7 @@ def model_step(args, device):
         return float(out.loss)
 
     def step_chunked_single():  # cp = 1 with the same chunked loss: isolates what CP itself saves
-        from hfcp.loss import IGNORE_INDEX, chunked_ce_sum, shift_labels
+        from hfcp.loss.cross_entropy import IGNORE_INDEX, chunked_ce_sum, shift_labels
 
         base = model.get_base_model()
         hidden = base.model(input_ids=ids, use_cache=False).last_hidden_state
@@ -205,7 +205,7 @@ def deepspeed_model_step(model, ids, args, device):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from hfcp.loss import IGNORE_INDEX, ce_sum, shift_labels
+    from hfcp.loss.cross_entropy import IGNORE_INDEX, ce_sum, shift_labels
 
     attention = deepspeed_attention(device)
 

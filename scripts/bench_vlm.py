@@ -108,7 +108,7 @@ def measure(args) -> None:
     from bench_step import PeakRSS, fix_mmap_threshold
 
     import hfcp
-    from hfcp.registry import REGISTRY
+    from hfcp.families.registry import REGISTRY
 
     fix_mmap_threshold()
     torch.set_num_threads(1)

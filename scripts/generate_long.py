@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from transformers.generation.streamers import BaseStreamer
 
 import hfcp
-from hfcp.kv_cache import ShardedKVCache
+from hfcp.inference.kv_cache import ShardedKVCache
 
 
 class TimedStreamer(BaseStreamer):

@@ -34,7 +34,7 @@ def check(model_type: str) -> dict:
 
     A type without a record is tried as the families patches/verified.py registers: attention classes read from
     the model (the record is removed again afterwards)."""
-    from hfcp.registry import REGISTRY, Patcher
+    from hfcp.families.registry import REGISTRY, Patcher
 
     if REGISTRY.get(model_type) is not None:
         return _check(model_type)
@@ -249,7 +249,7 @@ def sweep(types=None, progress: bool = False) -> list[dict]:
 def refusals() -> dict:
     """Features hfcp refuses rather than drops, each on a family that has it (tried as check() tries a type)."""
     import hfcp
-    from hfcp.registry import REGISTRY, Patcher
+    from hfcp.families.registry import REGISTRY, Patcher
 
     out = {}
     for name, model_type in (("sparse_indices", "deepseek_v32"), ("aux_loss_form", "doge")):
@@ -281,7 +281,7 @@ def _verified():
 def user_record_types(results) -> list[str]:
     """The types the sweep refused, and those exact only through their record's own mixers (the hybrids of issue 19):
     a user could register a record for any of them, replacing hfcp's."""
-    from hfcp.registry import REGISTRY
+    from hfcp.families.registry import REGISTRY
 
     return [r["type"] for r in results if r["result"] == "refused"
             or (r["result"] == "exact" and REGISTRY.get(r["type"]) is not None and REGISTRY.get(r["type"]).mixers)]
@@ -294,7 +294,7 @@ def user_records(types) -> list[dict]:
     """Each type tried as a user would register it: hfcp.Patcher(model_type, attention_classes=<every module class
     whose name ends in "Attention">), cp 2 ring against the unpatched model. Every record is held to hfcp's model
     checks, so each must come out exact or refused (issue 19: such records came out silently wrong or crashed)."""
-    from hfcp.registry import REGISTRY, Patcher
+    from hfcp.families.registry import REGISTRY, Patcher
 
     out = []
     for t in types:
@@ -319,7 +319,7 @@ def user_records(types) -> list[dict]:
 def user_record(model_type: str, classes: tuple, skip: bool = False) -> str:
     """Patch a tiny model of `model_type` with a record naming `classes`: hfcp's refusal, or "patched"."""
     import hfcp
-    from hfcp.registry import REGISTRY, Patcher
+    from hfcp.families.registry import REGISTRY, Patcher
 
     saved = REGISTRY._patchers.pop(model_type, None)
     REGISTRY.register(Patcher(model_type=model_type, attention_classes=classes, skip_model_checks=skip))
@@ -342,8 +342,8 @@ def model_check_refusals() -> tuple[int, dict]:
     no convolution over tokens outside the record's mixers). One process, no collective: seconds per family."""
     import warnings
 
-    from hfcp.resolve import patcher_for
-    from hfcp.registry import REGISTRY
+    from hfcp.families.resolve import patcher_for
+    from hfcp.families.registry import REGISTRY
     from hfcp.tiny_vlm import tiny_vlm
     from workers_vision import build as build_vision
 

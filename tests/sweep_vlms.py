@@ -64,8 +64,8 @@ def _compare(model_type: str, make_batch) -> dict:
 def check(model_type: str) -> dict:
     """{"type", "result", "detail", "text", "images"}: result is exact only when both batches are, refused when
     hfcp refused either, else the worst of the two."""
-    from hfcp.registry import REGISTRY, Patcher
-    from hfcp.vision_split import splits_tower
+    from hfcp.families.registry import REGISTRY, Patcher
+    from hfcp.hooks.vision_tower import splits_tower
 
     added = []
     if REGISTRY.get(model_type) is None:  # tried as patches/verified_vlm.py registers a type

@@ -5,7 +5,7 @@ import transformers
 
 import hfcp
 from hfcp.layout import Layout, build_step_batch, document_ids
-from hfcp.loss import shift_labels
+from hfcp.loss.cross_entropy import shift_labels
 from hfcp.distributed.mesh import build_mesh
 from workers_model import make_batch, tiny_model
 
@@ -151,7 +151,7 @@ def test_layout_volume_by_dimension():
 def test_the_step_mask_stand_in_refuses_a_mask_the_model_computes_from_it():
     import torch.nn.functional as F
 
-    from hfcp.step_token import step_token
+    from hfcp.attention.step_token import step_token
 
     token = step_token("step", "cpu")
     assert len(token.shape) == 4 and token.dtype == torch.bool and token.to(torch.bool) is token  # what code reads

@@ -8,7 +8,7 @@ from transformers import masking_utils as mu
 
 from hfcp.attention.blocks import MaskSpec, _allowed, _classify
 from hfcp.layout import Layout, StepBatch
-from hfcp.outer_mask import hfcp_mask, layer_mask
+from hfcp.attention.outer_mask import hfcp_mask, layer_mask
 
 L = 24
 

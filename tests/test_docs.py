@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 API = DOCS / "reference" / "api.md"
 # paths users were told about in guides and error messages, documented on the API page beside the package's __all__
-OTHER_PUBLIC = ["hfcp.kv_cache.ShardedKVCache", "hfcp.tiny.tiny_config", "hfcp.tiny.tiny_model",
+OTHER_PUBLIC = ["hfcp.inference.kv_cache.ShardedKVCache", "hfcp.tiny.tiny_config", "hfcp.tiny.tiny_model",
                 "hfcp.tiny_vlm.tiny_vlm", "hfcp.tiny_vlm.text_batch", "hfcp.tiny_vlm.image_batch",
                 "hfcp.tiny_vlm.video_batch", "hfcp.attention.volume.comm_bytes",
                 "hfcp.attention.volume.conv_halo_bytes", "hfcp.attention.volume.state_fold_bytes",

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import workers_families as W
-from hfcp.router_loss import RouterAux, check_form
+from hfcp.loss.router import RouterAux, check_form
 
 AUX = {"output_router_logits": True, "router_aux_loss_coef": 1.0}
 
@@ -88,7 +88,7 @@ def test_unreadable_logit_postprocessing_falls_back_to_the_logits(form):
     loss from the model's own logits, never skipping the change."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hfcp.introspect import logit_transform
+    from hfcp.families.introspect import logit_transform
 
     cls = type(f"Llama_{form}", (LlamaForCausalLM,), {"forward": getattr(_Shifted, form)})
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -29,7 +29,7 @@ def test_logits_to_keep_hfcp_cannot_honour_is_refused(pool2, call, message):
 
 
 # model.generate on a patched model (issue 20): the prompt prefilled over the CP group, each rank keeping its tokens'
-# keys and values (hfcp/kv_cache.py), each decode step merged over the ranks (hfcp/attention/decode.py); two prompts,
+# keys and values (hfcp/inference/kv_cache.py), each decode step merged over the ranks (hfcp/attention/decode.py); two prompts,
 # one left-padded; against the unpatched model's generate in the same process: the same tokens on every rank, and
 # every step's logits within fp32 tolerance
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss", "mixtral", "llama_dynamic"])

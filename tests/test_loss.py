@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfcp.linear_ce import LogitTransform
-from hfcp.loss import IGNORE_INDEX, chunked_ce_sum
+from hfcp.loss.linear_ce import LogitTransform
+from hfcp.loss.cross_entropy import IGNORE_INDEX, chunked_ce_sum
 
 
 class ScaledHead(torch.nn.Module):
@@ -99,7 +99,7 @@ def test_chunked_loss_applies_the_models_logit_transform(transform, wrap):
 def test_token_stats_of_a_training_chunked_loss(wrap):
     """The (3,) statistics of HfcpSFTTrainer's metrics with a head that trains, under backward: the checkpointed path
     (a PEFT modules_to_save head) once failed in backward, its stats an input of the checkpoint changed in place."""
-    from hfcp.linear_ce import add_token_stats
+    from hfcp.loss.linear_ce import add_token_stats
 
     head, hidden, targets = _case(True, True, wrap)
     want = torch.zeros(3, dtype=torch.float64)

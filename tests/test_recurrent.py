@@ -3,7 +3,7 @@ Qwen3.5, Qwen3.5-MoE, OLMo-hybrid, Lara-mini), Kimi delta attention (Kimi-Linear
 Bamba, Falcon-H1, Granite-4.0-H, Zamba2, Nemotron-H), Mamba 1 (mamba, Falcon-Mamba, Jamba, Zamba), MiniMax's
 lightning attention and RecurrentGemma's RG-LRU:
 each recurrent layer's convolution takes its halo from the rank before, and its scan runs on each run of this rank's
-tokens from the state folded over the runs before it (hfcp/state_fold.py); the attention layers run the chosen
+tokens from the state folded over the runs before it (hfcp/mixers/state_fold.py); the attention layers run the chosen
 strategy.
 
 The engine's fold is exact in fp64 (1e-16). The families' kernel computes in fp32 whatever the model's dtype, and
@@ -113,7 +113,7 @@ def test_gated_delta_single_row_with_padding(pool2):
 
 def test_gated_delta_cache_is_refused(pool2):
     for r in pool2.run(W.cached_forward, "qwen3_next"):
-        assert "recurrent layers do not carry their states" in r, r  # before any layer runs (hfcp.generation)
+        assert "recurrent layers do not carry their states" in r, r  # before any layer runs (hfcp.inference.generate)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "mamba2", "mamba"])  # the delta rule's fold, the decay ones
@@ -187,7 +187,7 @@ def test_a_family_whose_code_hfcp_has_not_seen_is_refused():
 def test_a_layer_without_a_mixer_needs_its_record_to_vouch_for_it():
     # Nemotron-H's MLP / MoE layers hold no mixer: its record names their classes as token-wise; without them (a
     # record that does not know the family) the model is refused by name
-    from hfcp.introspect import other_mixers
+    from hfcp.families.introspect import other_mixers
     from hfcp.testing.tiny import tiny_model
 
     model = tiny_model("nemotron_h")
@@ -211,7 +211,7 @@ def test_a_kernel_whose_state_is_not_the_folded_form_is_refused():
     import torch
 
     from hfcp.layout import Layout, build_step_batch
-    from hfcp.state_fold import chunked_rule_over_ranks
+    from hfcp.mixers.state_fold import chunked_rule_over_ranks
 
     def rule(q, k, v, g, initial_state, output_final_state):  # a state of another layout: (B, H, dv + dk, dk)
         return v, initial_state.transpose(-1, -2)

@@ -1,5 +1,5 @@
 """Gated short convolutions (LFM2, LFM3, LFM2-MoE) under CP: each conv layer's causal depthwise convolution takes
-its halo (the kernel-1 inputs before each chunk) from the rank that holds them (hfcp/conv_halo.py); the attention
+its halo (the kernel-1 inputs before each chunk) from the rank that holds them (hfcp/mixers/conv_halo.py); the attention
 layers run the chosen strategy. Loss and every gradient equal the unpatched model."""
 import pytest
 
@@ -28,7 +28,7 @@ def test_short_conv_under_gradient_checkpointing(pool2):
 
 def test_short_conv_forward_while_a_checkpointed_graph_is_alive_is_exact(pool2):
     # a second forward (other padding) before the first one's backward: the first forward's conv layers are
-    # recomputed with their own step, carried by the checkpoint function (hfcp/mixers.py)
+    # recomputed with their own step, carried by the checkpoint function (hfcp/mixers/binding.py)
     for r in pool2.run(W.compare, "lfm2", "padding", "ring", "two_forwards"):
         assert r["same_keys"] and r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["conv_grad_err"] < 1e-4, r
 

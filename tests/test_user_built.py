@@ -57,3 +57,14 @@ def test_the_convolution_check_is_what_keeps_zaya_exact_or_refused(pool2):
 def test_attention_over_more_keys_than_queries_is_refused_naming_the_class(pool2):
     for msg in pool2.run(W.extra_keys):
         assert msg.startswith("LlamaAttention attends 8 queries to 10 keys"), msg
+
+
+def test_attention_keywords_hfcp_does_not_implement_are_refused_by_name(pool2):
+    # s_aux is an attention sink (one logit per query head: implemented); any other keyword is refused by name
+    for r in pool2.run(W.attention_keywords):
+        assert r["position_bias"].startswith("LlamaAttention passes position_bias=tensor of shape (4, 16, 16) to its "
+                                             "attention function, which hfcp's context-parallel attention does not "
+                                             "implement"), r
+        assert r["s_aux"].startswith("LlamaAttention passes s_aux of shape (3,); hfcp implements one sink logit per "
+                                     "query head, shape (4,)"), r
+        assert r["s_aux_per_head"] == "ran", r

@@ -138,7 +138,7 @@ def test_vlm_deepstack_side_inputs_at_cp4_and_with_ulysses(pool4, pool2):
     (dict(deepstack_visual_embeds=[torch.zeros(3, 4)]), "without visual_pos_masks"),
 ])
 def test_vlm_side_inputs_that_do_not_match_the_sequence_are_refused(kw, message):
-    from hfcp.side_inputs import check_side_inputs
+    from hfcp.hooks.side_inputs import check_side_inputs
 
     with pytest.raises(ValueError, match=message):
         check_side_inputs(torch.nn.Identity(), kw, (("visual_pos_masks", "deepstack_visual_embeds"),), (2, 8))

@@ -46,7 +46,7 @@ def _mean_over_group(grads):
 def compare(model_type: str, config: dict, strategy: str = "ring", padding: bool = False, packed: bool = False,
             loss_chunk="auto", call: dict | None = None) -> dict:
     """Patched vs unpatched: {"loss", "grad", "aux", "chunked", "transform"} errors and facts."""
-    from hfcp.registry import REGISTRY, Patcher
+    from hfcp.families.registry import REGISTRY, Patcher
 
     if REGISTRY.get(model_type) is None:  # not in the generated list yet: the record patches/verified.py would give
         REGISTRY.register(Patcher(model_type=model_type, attention_classes=(), read_from_model=True))
@@ -82,7 +82,7 @@ def compare(model_type: str, config: dict, strategy: str = "ring", padding: bool
 
 
 def refused(model_type: str, config: dict, call: dict | None = None) -> str:
-    from hfcp.registry import REGISTRY, Patcher
+    from hfcp.families.registry import REGISTRY, Patcher
 
     if REGISTRY.get(model_type) is None:
         REGISTRY.register(Patcher(model_type=model_type, attention_classes=(), read_from_model=True))

@@ -165,7 +165,7 @@ def fold_exact(zigzag: bool, length: int = 37) -> dict:
     """chunked_rule_over_ranks in fp64 against the rule over the whole sequence: outputs at this rank's tokens and
     the gradients of every input (summed over the ranks), relative to their largest value."""
     from hfcp.layout import Layout, build_step_batch
-    from hfcp.state_fold import chunked_rule_over_ranks
+    from hfcp.mixers.state_fold import chunked_rule_over_ranks
 
     rank, cp = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(3)
@@ -327,7 +327,7 @@ def _against_whole(loop, x: dict, fold, token_dim: int, zigzag: bool, seed: int)
 
 def scalar_fold_exact(zigzag: bool, length: int = 37) -> dict:
     """scalar_decay_over_ranks in fp64 against loop_ssd over the whole sequence (zigzag, or contiguous runs)."""
-    from hfcp.state_fold import scalar_decay_over_ranks
+    from hfcp.mixers.state_fold import scalar_decay_over_ranks
 
     g = torch.Generator().manual_seed(4)
     shapes = {"hidden_states": (2, length, 3, 5), "log_decay": (2, length, 3), "B": (2, length, 3, 4),
@@ -353,7 +353,7 @@ def loop_selective(hidden_states, dt, A, B, C, return_last_state=True):
 
 def channel_fold_exact(zigzag: bool, length: int = 37) -> dict:
     """channel_decay_over_ranks in fp64 against loop_selective over the whole sequence."""
-    from hfcp.state_fold import channel_decay_over_ranks
+    from hfcp.mixers.state_fold import channel_decay_over_ranks
 
     g = torch.Generator().manual_seed(6)
     shapes = {"hidden_states": (2, 5, length), "dt": (2, 5, length), "A": (5, 4), "B": (2, 4, length),
@@ -382,7 +382,7 @@ def loop_gated(hidden_states, gate):
 
 def gated_fold_exact(zigzag: bool, length: int = 37) -> dict:
     """gated_sum_over_ranks in fp64 against loop_gated over the whole sequence, with a reset (a gate of 0) inside."""
-    from hfcp.state_fold import gated_sum_over_ranks
+    from hfcp.mixers.state_fold import gated_sum_over_ranks
 
     g = torch.Generator().manual_seed(8)
     x = {"hidden_states": torch.randn(2, length, 6, generator=g, dtype=torch.float64),
@@ -446,7 +446,7 @@ def interleaved(kind: str, reentrant: bool, a_padded: bool, b_length: int, check
     it), "wrapper" (torch's
     apply_activation_checkpointing on the decoder layers, after it) or "composable" (torch's composable checkpoint on
     the decoder layers, a checkpoint hfcp does not carry steps through)."""
-    from hfcp.mixers import StepCarrying
+    from hfcp.mixers.binding import StepCarrying
 
     a = padded_batch(24, 0 if a_padded else None, 3, seed=5)
     b = padded_batch(b_length, 1, 9, seed=6)

@@ -151,7 +151,7 @@ def tp_x_cp_generate(path: str):
         path, attn_implementation="sdpa", distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2))
     hfcp.patch(model, cp_size=2).eval()
     out = model.generate(ids, return_dict_in_generate=True, **kw)
-    keys = out.past_key_values.keys[0]  # hfcp.kv_cache.ShardedKVCache: (B, KV heads here, tokens here, D)
+    keys = out.past_key_values.keys[0]  # hfcp.inference.kv_cache.ShardedKVCache: (B, KV heads here, tokens here, D)
     return {"same": bool(torch.equal(out.sequences, want)), "kv_heads": keys.shape[1]}
 
 

@@ -98,7 +98,7 @@ def user_record(kind: str, skip_model_checks: bool = False) -> dict:
     """The family patched at cp 2 (ring) under a record a user writes for it (its attention classes named, nothing
     else) and run forward and backward: {"refused": hfcp's message} or the loss and worst gradient error against the
     unpatched model. The record is removed again afterwards."""
-    from hfcp.registry import REGISTRY
+    from hfcp.families.registry import REGISTRY
 
     ref, model = user_family_model(kind), user_family_model(kind)
     attention = next(type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention"))
@@ -125,7 +125,7 @@ def extra_keys() -> str:
     keys of its own would), patched at cp 2: hfcp's refusal."""
     from transformers.models.llama import modeling_llama
 
-    from hfcp.tiny import tiny_model
+    from hfcp.testing.tiny import tiny_model
 
     rope = modeling_llama.apply_rotary_pos_emb
 
@@ -145,3 +145,23 @@ def extra_keys() -> str:
     finally:
         modeling_llama.apply_rotary_pos_emb = rope
         hfcp.unpatch(model)
+
+
+def attention_keywords() -> dict:
+    """A tiny Llama patched at cp 2 whose attention is handed keywords through the call (transformers passes a
+    model's extra keyword arguments down to every attention function): {keyword: hfcp's refusal, or "ran"}."""
+    from hfcp.testing.tiny import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(2))
+    hfcp.patch(model, cp_size=2, timeout=30)
+    out = {}
+    for name, value in (("position_bias", torch.zeros(4, 16, 16)), ("s_aux", torch.zeros(3)),
+                        ("s_aux_per_head", torch.zeros(4))):
+        try:
+            model(input_ids=ids, labels=ids, **{name.removesuffix("_per_head"): value})
+            out[name] = "ran"
+        except ValueError as e:
+            out[name] = str(e)
+    hfcp.unpatch(model)
+    return out

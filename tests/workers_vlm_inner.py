@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import hfcp
-from hfcp.verify import grad_error
+from hfcp.commands.verify import grad_error
 from workers_vlm import tiny_vlm, vlm_batch
 
 
@@ -30,7 +30,7 @@ def _grads(model, world: int = 1) -> dict:
 def language_model(model):
     """The module a user patches alone: the one whose config is the text config (model.model.language_model,
     model.model.text_model)."""
-    from hfcp.vlm_hooks import module_with_config
+    from hfcp.hooks.vlm import module_with_config
 
     return model.get_submodule(module_with_config(model, model.config.get_text_config()))
 
@@ -67,7 +67,7 @@ def refused(kind: str, what: str) -> str:
     language model's record made to know no side inputs, so that Qwen3-VL's visual_pos_masks reach it unsplit;
     "direct_extra_tensor", a (batch, seq, hidden) tensor keyword passed to the patched language model itself;
     "router_logits", a MoE VLM whose config asks for router logits (its outer model's aux loss)."""
-    from hfcp.registry import REGISTRY, Patcher
+    from hfcp.families.registry import REGISTRY, Patcher
 
     model = tiny_vlm(kind)
     batch = vlm_batch(kind, "two_images")

@@ -12,7 +12,7 @@ import torch
 from accelerate.utils import recursively_apply
 
 from ..distributed.data import data_parallel_rank_and_size
-from ..lm_hooks import DEFAULT_LOSS_CHUNK
+from ..hooks.causal_lm import DEFAULT_LOSS_CHUNK
 from ..outputs import gather_outputs
 from ..state import cp_state
 

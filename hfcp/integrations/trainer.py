@@ -19,7 +19,7 @@ from accelerate.data_loader import IterableDatasetShard, prepare_data_loader
 from transformers import Trainer
 
 from ..distributed.data import data_parallel_rank_and_size
-from ..distributed.mesh import as_timedelta, consecutive_block
+from ..distributed.mesh import consecutive_block
 from ..api import patch
 from ..state import cp_state, find_pretrained
 from .evaluation import CountedIterable, EvaluationMixin

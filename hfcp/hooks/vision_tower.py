@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from accelerate.hooks import ModelHook
 
-from .distributed.collectives import all_gather
+from ..distributed.collectives import all_gather
 
 # vision configs' model_types whose towers encode each image on its own (filled by patches/: model knowledge); a
 # record with vision_tower="auto" splits only these, and runs any other tower whole on every rank

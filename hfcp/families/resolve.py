@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 from transformers.models.auto import modeling_auto
 
-from .attention import build_usp_groups, check_heads, check_ulysses_size
+from ..attention import build_usp_groups, check_heads, check_ulysses_size
 from .introspect import (interface_attention_classes, logit_transform, not_through_interface, other_mixers,
                          router_aux_loss, token_convolution)
-from .linear_ce import LogitTransform
+from ..loss.linear_ce import LogitTransform
 from .registry import REGISTRY, Patcher, UnsupportedModelError
-from .distributed.tensor_parallel import is_sharded, tensor_parallel_ranks
-from .distributed.mesh import tp_ranks_of_device_mesh, cp_group_of_device_mesh
-from .vision_split import splits_tower
-from .vlm_hooks import find_language_model, module_with_config
+from ..distributed.tensor_parallel import is_sharded, tensor_parallel_ranks
+from ..distributed.mesh import tp_ranks_of_device_mesh, cp_group_of_device_mesh
+from ..hooks.vision_tower import splits_tower
+from ..hooks.vlm import find_language_model, module_with_config
 
 log = logging.getLogger("hfcp")
 

@@ -15,11 +15,12 @@ import torch
 
 from accelerate.hooks import ModelHook, add_hook_to_module
 
-from .checks import check_same_batch
-from .lm_hooks import as_kwargs, check_attention_ran
-from .distributed.collectives import all_gather
-from .forward_data import ForwardData
-from .layout import Layout, build_step_batch, pad_to
+from ..checks import check_same_batch
+from .batch import as_kwargs
+from .outputs import check_attention_ran, first_field
+from ..distributed.collectives import all_gather
+from ..forward_data import ForwardData
+from ..layout import Layout, build_step_batch
 
 
 class ShardEmbeddingsHook(ModelHook):
@@ -53,8 +54,7 @@ class ShardEmbeddingsHook(ModelHook):
             # the step depends on N alone and a checkpointed layer recomputed after a later forward of another
             # batch with the same N sees exactly its own step (block plans are reused too)
             st.step = build_step_batch(layout, st.mesh.cp_rank, 1, None, None, output.device)
-        idx = st.step.local_index.to(output.device)
-        local = pad_to(output, layout.padded_len, 1, 0.0).index_select(1, idx)  # (B, N_pad/cp, H)
+        local = st.step.local(output, fill=0.0)  # (B, N_pad/cp, H)
         self._last = weakref.ref(local)
         return local
 
@@ -89,7 +89,7 @@ class CheckPixelsHook(ModelHook):
         with_module = st.patcher.first_token_pooler and getattr(module, "pooler", None) is not None
         if not (with_module or st.patcher.pooler_output_is_first_token):
             return output
-        hidden = output["last_hidden_state"] if not isinstance(output, tuple) else output[0]
+        hidden = first_field(output, "last_hidden_state")
         firsts = all_gather(hidden[:, :1], st.mesh.cp_group, dim=1)  # (B, cp, H): [:, 0] is the global CLS
         pooled = module.pooler(firsts) if with_module else firsts[:, 0]
         if isinstance(output, tuple):
@@ -121,7 +121,7 @@ class GatherForHeadHook(ModelHook):
 
     def post_forward(self, module, output):
         st = self.state
-        hidden = output["last_hidden_state"] if not isinstance(output, tuple) else output[0]
+        hidden = first_field(output, "last_hidden_state")
         layout = st.step.layout
         full = all_gather(hidden, st.mesh.cp_group, dim=1)  # contiguous: rank order is sequence order
         full = full[:, : layout.seq_len]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from accelerate.hooks import ModelHook
 
-from .distributed.collectives import all_reduce_sum
+from ..distributed.collectives import all_reduce_sum
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention import STRATEGIES, MaskSpec
-from .attention.decode import decode_attention
-from .kv_cache import DecodeStep
+from . import STRATEGIES, MaskSpec
+from .decode import decode_attention
+from ..inference.kv_cache import DecodeStep
 from .outer_mask import OuterMask, hfcp_mask, layer_mask
 
 KEY = "hfcp"
@@ -20,7 +20,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     step = getattr(attention_mask, "hfcp_step", None)  # the step this call belongs to (see step_token.py)
     carried = getattr(getattr(state, "layer_steps", None), "carried", None)
     if step is None and carried is not None:  # a reentrant recompute detaches a mask passed positionally (Zamba's):
-        step = carried  # the step its checkpoint function carried (hfcp/mixers.py)
+        step = carried  # the step its checkpoint function carried (hfcp/mixers/binding.py)
     if state is not None and step is None and state.patcher.embeddings_classes:
         check_token_model_mask(module, attention_mask)
         step = state.step  # token models: no mask argument; their step depends on the token count only
@@ -45,7 +45,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             f"{type(module).__name__} attends {query.shape[2]} queries to {key.shape[2]} keys: hfcp's context-parallel "
             "attention computes attention over the model's own tokens, one key per query outside generation's cache; "
             "keys a model adds, drops or compresses itself cannot be split exactly over the ranks, so this model is not "
-            "supported by hfcp (see README, Support matrix)")
+            "supported by hfcp (see the support matrix, docs/reference/support-matrix.md)")
     if query.shape[2] != local or key.shape[2] != local:
         raise ValueError(
             f"hfcp attention got {query.shape[2]} queries / {key.shape[2]} keys but the step layout holds "

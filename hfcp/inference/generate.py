@@ -1,5 +1,5 @@
 """Generation on a patched causal LM or vision-language model (docs/how-to/generation.md): which forwards are a
-prompt's prefill or a decode step, and their inputs. The cache and its decode attention: hfcp/kv_cache.py,
+prompt's prefill or a decode step, and their inputs. The cache and its decode attention: hfcp/inference/kv_cache.py,
 hfcp/attention/decode.py.
 
 A forward with a cache (transformers' `generate()` passes an empty DynamicCache first, then the cache the model
@@ -9,12 +9,12 @@ decode step, whose few new tokens every rank runs alike.
 """
 from __future__ import annotations
 
-import inspect
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
-from .checks import check_same_batch
+from ..checks import check_same_batch
+from ..hooks.batch import forward_parameters
 from .kv_cache import ShardedKVCache
 
 CACHE_NAMES = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache (both accepted)
@@ -45,10 +45,10 @@ def generation_cache(state, module, kw: dict, shards: bool) -> ShardedKVCache | 
     if given is not None and not (type(given) is DynamicCache and given.get_seq_length() == 0
                                   and not getattr(given, "offloading", False)):
         raise ValueError(f"a {type(given).__name__} holding {given.get_seq_length()} tokens on a patched model: hfcp "
-                         "generates with its own cache spread over the CP group (hfcp.kv_cache.ShardedKVCache), which "
+                         "generates with its own cache spread over the CP group (hfcp.inference.kv_cache.ShardedKVCache), which "
                          "it makes from the prompt; pass no cache, or an empty DynamicCache (not static, offloaded or "
                          "quantized)")
-    parameters = inspect.signature(module._old_forward).parameters
+    parameters = forward_parameters(module)
     if "logits_to_keep" not in parameters:
         raise ValueError(f"{type(module).__name__}.forward takes no logits_to_keep: generate() would read the last "
                          "position's logits from this rank's shard of the prompt; hfcp does not generate with it")
@@ -99,7 +99,7 @@ def prepare_decode(state, module, kw: dict, cache: ShardedKVCache, step_token) -
              else torch.ones(batch, new, dtype=torch.bool, device=x.device))
     step = cache.begin_decode(valid)
     kw["attention_mask"] = step_token(step, x.device)
-    parameters = inspect.signature(module._old_forward).parameters
+    parameters = forward_parameters(module)
     if "use_cache" in parameters:
         kw["use_cache"] = True
     if "output_router_logits" in parameters:  # the router aux loss is a training term: not in decode steps
@@ -131,7 +131,7 @@ class TokensAgree:
         self.group = group
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        from .distributed.collectives import all_gather_no_grad
+        from ..distributed.collectives import all_gather_no_grad
 
         last = input_ids[:, -1:].to(torch.int64)
         every = all_gather_no_grad(last[None], self.group, 0)  # (cp, B, 1)

@@ -38,11 +38,11 @@ class Patcher:
         language_model: a vision-language model: the module path of its language model in the outer model
             ("model.language_model"), whose attention classes hfcp runs and whose input, the merged sequence, it
             shards; the outer model encodes images, merges them and computes positions whole on every rank
-            (hfcp/vlm_hooks.py); "auto": the outermost module whose config is the text config. Empty: not a VLM.
+            (hfcp/hooks/vlm.py); "auto": the outermost module whose config is the text config. Empty: not a VLM.
         vision_tower: a VLM whose tower encodes each image on its own: its module path in the outer model
-            ("model.vision_tower"); hfcp splits the images over the CP group (hfcp/vision_split.py). Empty: every
+            ("model.vision_tower"); hfcp splits the images over the CP group (hfcp/hooks/vision_tower.py). Empty: every
             rank encodes every image. "auto": the outermost module whose config is the vision config, split when
-            its vision model_type is one registered as encoding each image alone (hfcp.vision_split
+            its vision model_type is one registered as encoding each image alone (hfcp.hooks.vision_tower
             .register_per_image_tower), else run whole on every rank.
         positions_from_mask: without position_ids the family derives them from the attention mask
             (cumsum(mask) * mask - 1, as OPT); hfcp computes them so over the whole mask before splitting.
@@ -54,7 +54,7 @@ class Patcher:
         mixers: sequence mixers other than attention that the record makes exact, as (class name, make_forward):
             `make_forward(state, module, step_of)` checks the module (raising ValueError to refuse it, at patch time)
             and returns the forward hfcp binds to it while patched; `step_of()` gives the step of the current call,
-            also when gradient checkpointing recomputes it (hfcp/mixers.py). The model checks accept these classes
+            also when gradient checkpointing recomputes it (hfcp/mixers/binding.py). The model checks accept these classes
             beside the attention classes.
         token_wise_classes: class names of modules that the record knows compute each token alone (Nemotron-H's
             MLP and MoE blocks, RecurrentGemma's MLP): a decoder layer whose children are all of these or norms

@@ -2,25 +2,24 @@
 
 The outer model (`...ForConditionalGeneration`) keeps its whole inputs: every rank encodes the images, merges their
 features into `inputs_embeds` and computes the positions (mRoPE's rope index over the whole `input_ids` and grids)
-exactly as one device does. Its hook (lm_hooks.ShardSequenceHook with shards=False) checks the batch, shifts the
+exactly as one device does. Its hook (hooks.causal_lm.LossHook) checks the batch, shifts the
 labels over the whole sequence and computes the loss. The language model's hook, `LanguageModelHook`, shards what
 arrives there, the sequence whole and final: `inputs_embeds`, `position_ids` of any leading shape along their last
-dim, and the mask (a mask the outer model built becomes hfcp's predicate or is refused, hfcp/outer_mask.py).
+dim, and the mask (a mask the outer model built becomes hfcp's predicate or is refused, hfcp/attention/outer_mask.py).
 
 Gradients: each rank back-propagates its slice of the merged sequence into the vision tower, so the mean over the
 CP group of a vision parameter's gradient is the single-device one, as for every other parameter. Where the record
-names the tower, its work is split over the group too (hfcp/vision_split.py).
+names the tower, its work is split over the group too (hfcp/hooks/vision_tower.py).
 """
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 from accelerate.hooks import ModelHook
 
-from .lm_hooks import as_kwargs, shard_inputs
-from .outer_mask import resolve_attention_mask
+from .batch import as_kwargs, forward_parameters, shard_inputs
+from ..attention.outer_mask import resolve_attention_mask
 from .side_inputs import check_side_inputs, shard_side_inputs, side_input_names
 
 # what the language model of a VLM may receive besides the merged sequence and its record's token_side_inputs; any
@@ -86,7 +85,7 @@ class LanguageModelHook(ModelHook):
         shard_side_inputs(kw, pairs, st.step)
         if st.fwd.cache is not None:  # the prompt's prefill: each rank keeps its tokens' keys and values
             st.fwd.cache.begin_prefill(st.step)
-        if "use_cache" in inspect.signature(module._old_forward).parameters:
+        if "use_cache" in forward_parameters(module):
             kw["use_cache"] = st.fwd.cache is not None
         return (), kw
 

@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from .distributed.collectives import all_gather
-from .layout import StepBatch
+from ..distributed.collectives import all_gather
+from ..layout import StepBatch
 
 
 def _runs(x: torch.Tensor, count: int, dim: int = 1) -> torch.Tensor:

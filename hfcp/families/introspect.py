@@ -22,8 +22,8 @@ import textwrap
 
 import torch
 
-from .linear_ce import LogitTransform
-from .router_loss import RouterAux, check_form
+from ..loss.linear_ce import LogitTransform
+from ..loss.router import RouterAux, check_form
 
 # class-name fragments of sequence mixers other than attention (state-space, convolution, recurrence, linear attention)
 _OTHER_MIXERS = re.compile(r"Mamba|SSM|Mixer|ShortConv|DeltaNet|LinearAttention|Recurrent|RGLRU|"
@@ -303,7 +303,7 @@ def router_aux_loss(model):
     """How the causal LM's forward adds the MoE router load-balancing loss, read from its syntax tree:
     RouterAux(num_experts, top_k, coef) for `aux = load_balancing_loss_func(outputs.router_logits, E, K, mask)` and
     `loss += C * aux...` with E, K, C numbers or attributes of the model, checked to compute the formula hfcp
-    implements (router_loss.check_form); None when the forward computes no such loss; a str saying why hfcp
+    implements (loss.router.check_form); None when the forward computes no such loss; a str saying why hfcp
     cannot compute it otherwise."""
     src = _source(type(model))
     if src is None or "load_balancing_loss_func" not in src:

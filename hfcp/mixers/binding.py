@@ -18,7 +18,7 @@ import types
 
 import torch
 
-from .introspect import decoder_layers
+from ..families.introspect import decoder_layers
 
 _CHECKPOINT_FUNCTIONS = ("_gradient_checkpointing_func", "checkpoint_fn")  # transformers' layers, checkpoint_wrapper
 
@@ -110,7 +110,7 @@ def local_key_valid(step):
     rank's columns; the step knows this rank's."""
     if step.key_valid is None:
         return None
-    return step.key_valid.index_select(1, step.local_index.to(step.key_valid.device))
+    return step.local(step.key_valid)
 
 
 def source_fingerprint(function) -> str:

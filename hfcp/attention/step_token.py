@@ -50,22 +50,32 @@ def step_token(step, device) -> StepToken:
     return token
 
 
-def computed_mask_error(func, failed: str) -> ValueError:
+def computed_mask_error(func, failed: str) -> Exception:
+    """ValueError naming the model's line that computes a tensor from the stand-in; RuntimeError when that line is
+    an attention function other than hfcp's called by a patched attention module (its attn_implementation was
+    changed after hfcp.patch)."""
+    frame = model_frame()
+    module = frame.f_locals.get("module") if frame is not None else None
+    if isinstance(module, torch.nn.Module) and getattr(module, "_hfcp_state", None) is not None:
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        return RuntimeError(
+            f"{type(module).__name__} ran this forward without hfcp's attention (attn_implementation is now {impl!r}), "
+            "so it would attend within this rank's shard only. Do not change the attention implementation of a "
+            "patched model: hfcp.unpatch(model) first")
     name = getattr(func, "__name__", None) or repr(func)
+    where = (f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+             if frame is not None else "the model's code")
     return ValueError(
-        f"{model_line()} computes a new tensor from its attention mask ({name}){failed}. Under hfcp the mask argument "
+        f"{where} computes a new tensor from its attention mask ({name}){failed}. Under hfcp the mask argument "
         "stands for the masks hfcp builds from global token indices (causal, sliding window, padding, documents) and "
         "holds no values, so a mask the model's own code computes (over keys other than its tokens', such as "
         "compressed keys, or from the sequence length a rank sees) cannot be split exactly over the ranks: this model "
-        "is not supported by hfcp (see README, Support matrix)")
+        "is not supported by hfcp (see the support matrix, docs/reference/support-matrix.md)")
 
 
-def model_line() -> str:
-    """file:line of the innermost caller outside torch and hfcp (the model's code), or "the model's code"."""
+def model_frame():
+    """The innermost frame outside torch and hfcp (the model's code), or None."""
     frame = sys._getframe(1)
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith((_TORCH, _HFCP)):
-            return f"{os.path.basename(path)}:{frame.f_lineno} ({frame.f_code.co_name})"
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith((_TORCH, _HFCP)):
         frame = frame.f_back
-    return "the model's code"
+    return frame

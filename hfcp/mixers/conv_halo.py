@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .distributed.collectives import all_gather
-from .layout import StepBatch
+from ..distributed.collectives import all_gather
+from ..layout import StepBatch
 
 
 def causal_depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, step: StepBatch,

@@ -3,8 +3,8 @@
 A language model may get, beside its sequence, inputs that hold something per token: Qwen3-VL's deepstack passes
 `visual_pos_masks` (B, L) and `deepstack_visual_embeds`, one row per True entry of the mask (Patcher.
 token_side_inputs names such (mask, rows) pairs). Both shard hooks use these functions: the VLM's language model
-hook (hfcp.patch(model) on the outer model, hfcp/vlm_hooks.py) and the causal-LM / base-model hook when the language
-model was patched alone and its outer model calls it (hfcp/lm_hooks.py). Any other (batch, seq, ...) tensor that
+hook (hfcp.patch(model) on the outer model, hfcp/hooks/vlm.py) and the causal-LM / base-model hook when the language
+model was patched alone and its outer model calls it (hfcp/hooks/causal_lm.py). Any other (batch, seq, ...) tensor that
 reaches a patched model is refused by name: each rank's layers would read the whole sequence's values against their
 shard of the tokens.
 """
@@ -14,7 +14,6 @@ import sys
 
 import torch
 
-from .layout import pad_to
 
 # arguments of the whole sequence that the shard hooks split (or pop) themselves
 SPLIT_BY_HFCP = frozenset({"input_ids", "inputs_embeds", "position_ids", "attention_mask", "token_type_ids", "labels",
@@ -56,10 +55,9 @@ def shard_side_inputs(kw: dict, pairs, sb) -> None:
         if mask is None:
             continue
         B, L = mask.shape
-        P, idx = sb.layout.padded_len, sb.local_index.to(mask.device)
         order = (mask.reshape(-1).long().cumsum(0) - 1).view(B, L)  # (B, L) row number of each True entry
-        local = pad_to(mask, P, 1, False).index_select(1, idx)  # (B, L/cp)
-        take = pad_to(order, P, 1, 0).index_select(1, idx)[local]  # (n_local,)
+        local = sb.local(mask, fill=False)  # (B, L/cp)
+        take = sb.local(order)[local]  # (n_local,)
         kw[mask_name] = local
         rows = kw.get(rows_name)
         if rows is not None:

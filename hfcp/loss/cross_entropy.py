@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .distributed.collectives import all_reduce_sum
+from ..distributed.collectives import all_reduce_sum
 from .linear_ce import IDENTITY, IGNORE_INDEX, LogitTransform, add_token_stats, chunk_starts, linear_cross_entropy_sum
 
 

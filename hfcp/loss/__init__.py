@@ -1,0 +1,2 @@
+"""Losses over the whole sequence from local tokens: the token-mean cross entropy (cross_entropy), its chunked form
+that never materialises the logits (linear_ce), and the MoE router auxiliary loss (router)."""
