@@ -225,7 +225,7 @@ def gathered_bytes(kind: str) -> dict:
 
         callers = {f.frame.f_globals.get("__name__", "") for f in inspect.stack()[1:6]}
         for name in seen:
-            if f"hfcp.{name}" in callers:
+            if f"hfcp.mixers.{name}" in callers:
                 seen[name] += x.numel() * x.element_size()
         return gather(x, group, dim)
 
