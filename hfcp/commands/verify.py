@@ -88,83 +88,111 @@ def check_arguments(model: str, seq_len: int, data: str | None = None) -> None:
     Raises:
         VerifyError: exit_status 2 for bad arguments; 1 where hfcp.testing.tiny builds no tiny random model of the type.
     """
-    import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
 
     if not _is_checkpoint(model) and model in VLM_TYPES():  # a tiny random VLM: checked with text and images
-        if data is not None:
-            raise VerifyError(f"--data {data} needs a checkpoint directory (its tokenizer): the tiny random {model} "
-                              "has no tokenizer; leave out --data", 2)
-        try:
-            built = load_model(model)
-            from ..testing.tiny_vlm import image_batch
-
-            image_batch(built, seq_len)
-        except Exception as e:
-            raise VerifyError(f"{_one_line(e)} (hfcp.testing.tiny_vlm builds no tiny random {model} with images of "
-                              f"--seq-len {seq_len}: pass a longer --seq-len or a checkpoint directory)", 1) from e
+        _check_tiny_vlm(model, seq_len, data)
         return
     if _is_checkpoint(model):
-        try:
-            config = transformers.AutoConfig.from_pretrained(model)
-        except Exception as e:
-            raise VerifyError(f"--model {model}: its config.json does not load ({_one_line(e)})", 2) from e
-        if config.model_type not in CAUSAL_LM and config.model_type not in VLM_TYPES():
-            raise VerifyError(f"--model {model}: its config.json has model_type {config.model_type!r}, which has "
-                              f"no causal-LM or image-text-to-text class in transformers {transformers.__version__} "
-                              f"(AutoModelForCausalLM, AutoModelForImageTextToText): pass such a checkpoint", 2)
-        if data is not None:
-            if not Path(data).is_file():
-                raise VerifyError(f"--data {data}: no such file", 2)
-            try:
-                tok = transformers.AutoTokenizer.from_pretrained(model)
-                ids = tok(Path(data).read_text(encoding="utf-8"))["input_ids"]
-            except Exception as e:
-                why = f"not tokenized with {model}'s tokenizer ({_one_line(e)})"
-                raise VerifyError(f"--data {data}: {why}: save the checkpoint's tokenizer into it (save_pretrained), "
-                                  f"or leave out --data", 2) from e
-            vocab = config.get_text_config().vocab_size
-            if not ids or max(ids) >= vocab:  # no tokenizer saved: transformers makes an empty one of the family
-                got = "no tokens" if not ids else f"id {max(ids)}, beyond the model's vocab_size {vocab}"
-                raise VerifyError(f"--data {data}: {model}'s tokenizer ({type(tok).__name__}, {len(tok)} entries) "
-                                  f"gives {got}: pass a text file with text, and save the checkpoint's own tokenizer "
-                                  f"into {model} (save_pretrained)", 2)
-        limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-        if not isinstance(limit, int) or seq_len <= limit:
-            return  # within the positions the config names, or none named: nothing to look for
-        try:
-            with torch.device("meta"):  # the model's modules, no weights: whether it has a position table
-                built = _auto_class(config.model_type).from_config(config)
-        except Exception:
-            return  # the workers will say what fails, one line
+        built = _check_checkpoint(model, seq_len, data)
         what = f"the checkpoint {model}"
     elif model in CAUSAL_LM:
-        if data is not None:
-            from ..testing.tiny import TINY
-
-            raise VerifyError(f"--data {data} needs a checkpoint directory (its tokenizer): the tiny random {model} "
-                              f"has a random vocabulary of {TINY['vocab_size']} ids and no tokenizer; leave out --data "
-                              f"(seeded random ids) or pass a checkpoint directory", 2)
-        try:
-            built = load_model(model)
-        except Exception as e:
-            raise VerifyError(f"{_one_line(e)} (hfcp.testing.tiny builds no tiny random model of {model}: verify a "
-                              f"checkpoint directory of it instead)", 1) from e
+        built = _check_tiny_model(model, data)
         what = f"the tiny random {model} of hfcp.testing.tiny"
     else:
-        where = ("a directory without config.json" if Path(model).is_dir()
-                 else "a file, not a directory" if Path(model).exists() else "no such directory")
-        close = difflib.get_close_matches(model, CAUSAL_LM, n=3)
-        hint = f" (close: {', '.join(close)})" if close else ""
-        raise VerifyError(f"--model {model}: {where}, and not a causal-LM or image-text-to-text model_type of "
-                          f"transformers {transformers.__version__}{hint}: pass a checkpoint directory (with "
-                          f"config.json, as save_pretrained writes) or one of the {len(CAUSAL_LM)} types of "
-                          f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or the {len(VLM_TYPES())} of "
-                          f"MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", 2)
-    table = position_limit(built)
+        raise _unknown_model(model)
+    table = position_limit(built) if built is not None else None
     if table is not None and seq_len > table[0]:
         raise VerifyError(f"--seq-len {seq_len} is more than the {table[0]} positions of {what} (its position table "
                           f"{table[1]}, max_position_embeddings={table[0]}): pass --seq-len {table[0]} or less", 2)
+
+
+def _check_tiny_vlm(model: str, seq_len: int, data: str | None) -> None:
+    if data is not None:
+        raise VerifyError(f"--data {data} needs a checkpoint directory (its tokenizer): the tiny random {model} "
+                          "has no tokenizer; leave out --data", 2)
+    try:
+        built = load_model(model)
+        from ..testing.tiny_vlm import image_batch
+
+        image_batch(built, seq_len)
+    except Exception as e:
+        raise VerifyError(f"{_one_line(e)} (hfcp.testing.tiny_vlm builds no tiny random {model} with images of "
+                          f"--seq-len {seq_len}: pass a longer --seq-len or a checkpoint directory)", 1) from e
+
+
+def _check_checkpoint(model: str, seq_len: int, data: str | None):
+    """The checkpoint's config and data checked; its modules on the meta device when seq_len passes the positions
+    its config names (to look for a position table), else None."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(model)
+    except Exception as e:
+        raise VerifyError(f"--model {model}: its config.json does not load ({_one_line(e)})", 2) from e
+    if config.model_type not in CAUSAL_LM and config.model_type not in VLM_TYPES():
+        raise VerifyError(f"--model {model}: its config.json has model_type {config.model_type!r}, which has "
+                          f"no causal-LM or image-text-to-text class in transformers {transformers.__version__} "
+                          f"(AutoModelForCausalLM, AutoModelForImageTextToText): pass such a checkpoint", 2)
+    if data is not None:
+        _check_data(model, data, config.get_text_config().vocab_size)
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if not isinstance(limit, int) or seq_len <= limit:
+        return None  # within the positions the config names, or none named: nothing to look for
+    try:
+        with torch.device("meta"):  # the model's modules, no weights: whether it has a position table
+            return _auto_class(config.model_type).from_config(config)
+    except Exception:
+        return None  # the workers will say what fails, one line
+
+
+def _check_data(model: str, data: str, vocab: int) -> None:
+    import transformers
+
+    if not Path(data).is_file():
+        raise VerifyError(f"--data {data}: no such file", 2)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(model)
+        ids = tok(Path(data).read_text(encoding="utf-8"))["input_ids"]
+    except Exception as e:
+        why = f"not tokenized with {model}'s tokenizer ({_one_line(e)})"
+        raise VerifyError(f"--data {data}: {why}: save the checkpoint's tokenizer into it (save_pretrained), "
+                          f"or leave out --data", 2) from e
+    if not ids or max(ids) >= vocab:  # no tokenizer saved: transformers makes an empty one of the family
+        got = "no tokens" if not ids else f"id {max(ids)}, beyond the model's vocab_size {vocab}"
+        raise VerifyError(f"--data {data}: {model}'s tokenizer ({type(tok).__name__}, {len(tok)} entries) "
+                          f"gives {got}: pass a text file with text, and save the checkpoint's own tokenizer "
+                          f"into {model} (save_pretrained)", 2)
+
+
+def _check_tiny_model(model: str, data: str | None):
+    if data is not None:
+        from ..testing.tiny import TINY
+
+        raise VerifyError(f"--data {data} needs a checkpoint directory (its tokenizer): the tiny random {model} "
+                          f"has a random vocabulary of {TINY['vocab_size']} ids and no tokenizer; leave out --data "
+                          f"(seeded random ids) or pass a checkpoint directory", 2)
+    try:
+        return load_model(model)
+    except Exception as e:
+        raise VerifyError(f"{_one_line(e)} (hfcp.testing.tiny builds no tiny random model of {model}: verify a "
+                          f"checkpoint directory of it instead)", 1) from e
+
+
+def _unknown_model(model: str) -> VerifyError:
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
+
+    where = ("a directory without config.json" if Path(model).is_dir()
+             else "a file, not a directory" if Path(model).exists() else "no such directory")
+    close = difflib.get_close_matches(model, CAUSAL_LM, n=3)
+    hint = f" (close: {', '.join(close)})" if close else ""
+    return VerifyError(f"--model {model}: {where}, and not a causal-LM or image-text-to-text model_type of "
+                       f"transformers {transformers.__version__}{hint}: pass a checkpoint directory (with "
+                       f"config.json, as save_pretrained writes) or one of the {len(CAUSAL_LM)} types of "
+                       f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or the {len(VLM_TYPES())} of "
+                       f"MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", 2)
 
 
 @functools.lru_cache(maxsize=1)
