@@ -9,7 +9,6 @@ decode step, whose few new tokens every rank runs alike.
 """
 from __future__ import annotations
 
-
 import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
