@@ -10,6 +10,7 @@ import copy
 import torch
 
 import hfcp
+from workers_inference import _prompts, _relative  # two prompts (row 0 left-padded), relative error
 
 _BERT = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=128)
@@ -42,18 +43,6 @@ def causal_lm(kind: str, is_decoder: bool = False, window: int = 7):
     else:
         raise ValueError(kind)
     return _perturbed(model.float())
-
-
-def _prompts(vocab: int, length: int, pad: int) -> dict:
-    ids = torch.randint(3, vocab, (2, length), generator=torch.Generator().manual_seed(7))
-    mask = torch.ones_like(ids)
-    mask[0, :pad] = 0
-    ids[0, :pad] = 0
-    return {"input_ids": ids, "attention_mask": mask}
-
-
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max())
 
 
 def generated(kind: str, length: int = 17, new: int = 6, pad: int = 0, is_decoder: bool = False,
