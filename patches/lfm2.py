@@ -4,7 +4,7 @@ A short-conv layer computes y = out_proj(C * conv(B * x)), where in_proj(h) = (B
 depthwise convolution of kernel `conv_L_cache`; it mixes tokens only through that convolution, which hfcp computes
 over the global sequence with a halo from the previous chunk (hfcp/mixers/conv_halo.py). The attention layers are read
 from the model like any family. The module's own forward is replaced while patched, after checking that its code
-is the form above (a newer transformers that changes it is refused, not guessed).
+is the code fingerprinted below (a newer transformers that changes it is refused, not guessed).
 
 What transformers does on one device, and hfcp reproduces:
 - padding: the layer input is zeroed at padded positions (the family's own `apply_mask_to_padding_states`, called
@@ -16,32 +16,25 @@ What transformers does on one device, and hfcp reproduces:
 """
 from __future__ import annotations
 
-import inspect
 import sys
 
 from hfcp.mixers.conv_halo import causal_depthwise_conv1d
 from hfcp.mixers.binding import check_step_tokens, local_key_valid
 from hfcp.families.registry import Patcher, register_patcher
+from hfcp.mixers.source_guard import check_source
 
 from .verified import TRANSFORMERS_VERSION
 
-# the statements of the short-conv forward that hfcp's forward reproduces
-_FORM = ("hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)",
-         "BCx = self.in_proj(hidden_states).transpose(-1, -2)", "B, C, x = BCx.chunk(3, dim=-2)",
-         "hidden_states = B * x", "causal_conv1d_fn(hidden_states, self.conv.weight.squeeze(1), self.conv.bias",
-         "y = C * hidden_states", "y = self.out_proj(y)")
+# source_fingerprint of the short-conv forward hfcp's forward reproduces, in transformers 5.24 (the same in all three)
+FINGERPRINTS = {f"{cls}.forward": "1d07ca85b588af88" for cls in ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")}
 
 
 def _check_form(module) -> None:
-    try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        source = ""
-    missing = [line for line in _FORM if line not in source]
+    check_source(module, FINGERPRINTS, TRANSFORMERS_VERSION)
     conv = module.conv
-    if missing or conv.padding[0] != conv.kernel_size[0] - 1 or conv.groups != conv.in_channels:
-        raise ValueError(f"hfcp: {type(module).__name__}'s forward is not the gated short convolution hfcp reproduces "
-                         f"(missing: {missing or 'a causal depthwise conv'}); this transformers version is not supported")
+    if conv.padding[0] != conv.kernel_size[0] - 1 or conv.groups != conv.in_channels:
+        raise ValueError(f"hfcp: {type(module).__name__}'s conv is not a causal depthwise convolution; this model is "
+                         "not supported")
 
 
 def short_conv_forward(state, module, step_of):

@@ -20,13 +20,14 @@ import sys
 
 import torch
 
-from hfcp.mixers.binding import check_source, check_step_tokens, local_key_valid
+from hfcp.mixers.binding import check_step_tokens, local_key_valid
+from hfcp.mixers.source_guard import check_source
 from hfcp.families.registry import Patcher, register_patcher
 from hfcp.mixers.state_fold import scalar_decay_over_ranks
 
 from .verified import TRANSFORMERS_VERSION
 
-# hfcp.mixers.binding.source_fingerprint of the code hfcp reproduces: the forward, and the decays its blocks and the fold use
+# hfcp.mixers.source_guard.source_fingerprint of the code hfcp reproduces: the forward, and the decays its blocks and the fold use
 FINGERPRINTS = {"MiniMaxLightningAttention.forward": "03c3f915c0c99c09",
                 "MiniMaxLightningAttention.decay_factors": "ad8879a83947a830",
                 "MiniMaxLightningAttention.get_slope_rate": "c7263d11caad997b"}

@@ -23,31 +23,18 @@ import inspect
 import torch
 
 from hfcp.mixers.conv_halo import causal_depthwise_conv1d
-from hfcp.mixers.binding import check_source, check_step_tokens
+from hfcp.mixers.binding import check_step_tokens
+from hfcp.mixers.rebind import ModuleView
+from hfcp.mixers.source_guard import check_source
 from hfcp.families.registry import Patcher, register_patcher
 from hfcp.mixers.state_fold import gated_sum_over_ranks
 
 from .verified import TRANSFORMERS_VERSION
 
-# hfcp.mixers.binding.source_fingerprint of each function whose code hfcp runs, as transformers 5.24 has it
+# hfcp.mixers.source_guard.source_fingerprint of each function whose code hfcp runs, as transformers 5.24 has it
 FINGERPRINTS = {"RecurrentGemmaRecurrentBlock.forward": "cce3570274ab15aa",
                 "RecurrentGemmaRglru.forward": "b4ad72fdf0d80030",
                 "RecurrentGemmaRglru._rnn_scan": "edcf0cbffabce491"}
-
-
-class _View:
-    """`module` with some attributes replaced, for the family's forward code to run on unchanged; what that code
-    assigns to itself (the decode states) stays on the view."""
-
-    def __init__(self, module, **replaced):
-        object.__setattr__(self, "_module", module)
-        object.__setattr__(self, "_replaced", replaced)
-
-    def __getattr__(self, name):
-        return self._replaced[name] if name in self._replaced else getattr(self._module, name)
-
-    def __setattr__(self, name, value):
-        self._replaced[name] = value
 
 
 def _plain_conv(module) -> torch.nn.Conv1d:
@@ -77,7 +64,7 @@ def block_forward(state, module, step_of):
         if use_cache or kwargs.get("cache") is not None:
             raise ValueError(f"hfcp: a cache in {type(self).__name__} (generation): unpatch to generate")
         check_step_tokens(self, input_states, step_of(), "convolution")
-        return raw(_View(self, conv_1d=convolution), input_states, position_ids, attention_mask, use_cache=False,
+        return raw(ModuleView(self, conv_1d=convolution), input_states, position_ids, attention_mask, use_cache=False,
                    **kwargs)
 
     return forward
@@ -102,7 +89,7 @@ def rg_lru_forward(state, module, step_of):
         return out.to(hidden_states.dtype), None
 
     def forward(self, activations, position_ids):
-        return raw(_View(self, _rnn_scan=scan), activations, position_ids)
+        return raw(ModuleView(self, _rnn_scan=scan), activations, position_ids)
 
     return forward
 

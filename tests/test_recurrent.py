@@ -127,7 +127,7 @@ def test_state_exchange_volume_matches_what_is_sent(pool2, kind):
 def test_a_delta_rule_layer_of_another_form_is_refused(pool2):
     # a transformers version (or a user's subclass) whose layer mixes tokens in code hfcp does not reproduce
     for r in pool2.run(W.changed_form):
-        assert "is not the recurrent layer hfcp reproduces" in r, r
+        assert "is not the code hfcp verified" in r, r
 
 
 @pytest.mark.parametrize("kind, strategy", [("mamba2", "allgather")])  # no attention layer at all
@@ -184,6 +184,25 @@ def test_a_family_whose_code_hfcp_has_not_seen_is_refused():
             make(None, other(), None)
 
 
+def test_a_scan_kernel_hfcp_has_not_seen_is_refused(monkeypatch):
+    # a recurrent record fingerprints the scan kernel its forward calls too (hfcp runs that kernel per run and folds
+    # the states): a changed kernel in the family module is refused, as is a changed forward (changed_form)
+    import sys
+
+    from hfcp.families.registry import REGISTRY
+    from hfcp.testing.tiny import tiny_model
+
+    model = tiny_model("qwen3_next")
+    layer = next(m for m in model.modules() if type(m).__name__ == "Qwen3NextGatedDeltaNet")
+    (_, make_forward), = REGISTRY.get("qwen3_next").mixers
+    family = sys.modules[type(layer).__module__]
+    kernel = family.torch_chunk_gated_delta_rule
+    monkeypatch.setattr(family, "torch_chunk_gated_delta_rule", lambda *a, **k: kernel(*a, **k))
+    with pytest.raises(ValueError, match="Qwen3NextGatedDeltaNet.torch_chunk_gated_delta_rule is not the code hfcp "
+                                         "verified"):
+        make_forward(None, layer, None)
+
+
 def test_a_layer_without_a_mixer_needs_its_record_to_vouch_for_it():
     # Nemotron-H's MLP / MoE layers hold no mixer: its record names their classes as token-wise; without them (a
     # record that does not know the family) the model is refused by name
@@ -200,11 +219,11 @@ def test_a_layer_without_a_mixer_needs_its_record_to_vouch_for_it():
 def test_a_scan_tensor_argument_hfcp_does_not_split_is_refused():
     import torch
 
-    from hfcp.patches.recurrent import _refuse_unknown_tensors
+    from hfcp.mixers.scans import refuse_unknown_tensors
 
-    _refuse_unknown_tensors({"D": torch.ones(4), "dt_limit": (0.0, 1.0), "z": None}, ("D", "dt_bias"))  # known: fine
+    refuse_unknown_tensors({"D": torch.ones(4), "dt_limit": (0.0, 1.0), "z": None}, ("D", "dt_bias"))  # known: fine
     with pytest.raises(ValueError, match=r"tensor arguments \['z'\]"):  # a per-token gate the runs would not cut
-        _refuse_unknown_tensors({"D": torch.ones(4), "z": torch.ones(2, 8, 4, 6)}, ("D", "dt_bias"))
+        refuse_unknown_tensors({"D": torch.ones(4), "z": torch.ones(2, 8, 4, 6)}, ("D", "dt_bias"))
 
 
 def test_a_kernel_whose_state_is_not_the_folded_form_is_refused():

@@ -12,8 +12,6 @@ not. A mixer recomputed in backward by any other checkpoint function cannot know
 """
 from __future__ import annotations
 
-import hashlib
-import inspect
 import types
 
 import torch
@@ -111,29 +109,6 @@ def local_key_valid(step):
     if step.key_valid is None:
         return None
     return step.local(step.key_valid)
-
-
-def source_fingerprint(function) -> str:
-    """The first 16 hex digits of the sha256 of `function`'s source (decorators unwrapped); "" without source."""
-    try:
-        source = inspect.getsource(inspect.unwrap(function))
-    except (OSError, TypeError):
-        return ""
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
-
-
-def check_source(module, fingerprints: dict, version: str) -> None:
-    """Raises ValueError unless each method of `module`'s class named in `fingerprints` ("Class.method" ->
-    source_fingerprint) has the source a record verified with transformers `version`: a record that runs a family's
-    own code on views of its modules (or reproduces it) refuses code it has not seen."""
-    cls = type(module).__name__
-    mine = {key: want for key, want in fingerprints.items() if key.partition(".")[0] == cls}
-    if not mine:
-        raise ValueError(f"hfcp: no verified source for {cls}: this transformers version is not supported")
-    for key, want in mine.items():
-        if source_fingerprint(getattr(type(module), key.partition(".")[2], None)) != want:
-            raise ValueError(f"hfcp: {key} is not the code hfcp verified (transformers {version}): this transformers "
-                             "version (or a subclass) is not supported")
 
 
 def check_step_tokens(module, hidden_states, step, what: str) -> None:
