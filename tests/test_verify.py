@@ -23,6 +23,20 @@ def _verify(*args, report: bool = True):
     return rc, json.loads(out.getvalue().strip().splitlines()[-1]) if report else None, err.getvalue()
 
 
+def _rank_reports(pool, model: str, seq_len: int, strategy: str = "ring", data=None) -> dict:
+    """What `hfcp verify` reports, computed by its workers' function (verify.run_rank) on the test's pool of two
+    ranks (as a dict, as --json prints it): the checks that do not depend on the command starting its own
+    processes, without two process starts each. The command end to end: the checkpoint test below."""
+    from dataclasses import asdict
+
+    from hfcp.commands.verify import check_arguments, run_rank
+
+    check_arguments(model, seq_len, data)
+    reports = [asdict(r) for r in pool.run(run_rank, model, seq_len, strategy, data)]
+    assert reports[0]["verdict"] == reports[1]["verdict"], reports
+    return reports[0]
+
+
 def test_verify_a_checkpoint_directory_with_its_text(tmp_path):
     from workers_model import tiny_model
 
@@ -33,16 +47,22 @@ def test_verify_a_checkpoint_directory_with_its_text(tmp_path):
     assert report["loss_err"] < 1e-5 and report["grad_err"] < 1e-4 and len(report["peak_mem_mb"]) == 2
 
 
-def test_verify_a_recurrent_hybrid():
-    # Qwen3-Next's tiny model: a gated delta net layer and an attention layer (issue 19)
-    rc, report, err = _verify("--model", "qwen3_next", "--seq-len", "64", "--cp-size", "2")
-    assert rc == 0 and report["verdict"] == "exact", (report, err[-2000:])
+def test_verify_a_recurrent_hybrid(pool2):
+    # Qwen3-Next's tiny model: a gated delta net layer and an attention layer
+    report = _rank_reports(pool2, "qwen3_next", 64)
+    assert report["verdict"] == "exact", report
     assert report["loss_err"] < 1e-5 and report["grad_err"] < 1e-4 and report["logit_err"] < 1e-4, report
 
 
-def test_verify_a_model_type_that_hfcp_refuses_exits_nonzero():
-    rc, report, _ = _verify("--model", "rwkv", "--seq-len", "32", "--cp-size", "2")
-    assert rc == 1 and report["verdict"] == "refused" and "rwkv" in report["reason"], report
+def test_verify_a_model_type_that_hfcp_refuses_exits_nonzero(pool2, monkeypatch):
+    from hfcp.commands import verify
+
+    report = _rank_reports(pool2, "rwkv", 32)
+    assert report["verdict"] == "refused" and "rwkv" in report["reason"], report
+    # the command's exit status and JSON for that report (its workers' part is the pool's, above)
+    monkeypatch.setattr(verify, "verify", lambda *args: verify.Report(**report))
+    rc, printed, _ = _verify("--model", "rwkv", "--seq-len", "32", "--cp-size", "2")
+    assert rc == 1 and printed == report
 
 
 def test_verify_bad_arguments_exit_with_usage(capsys):
@@ -120,7 +140,7 @@ def test_verify_bad_invocations_print_one_line_and_exit_nonzero(case, tmp_path, 
 
 
 @pytest.mark.parametrize("model, strategy", [("qwen2_vl", "ulysses"), ("gemma3", "allgather"), ("checkpoint", "ring")])
-def test_verify_a_vision_language_model_with_images(tmp_path, model, strategy):
+def test_verify_a_vision_language_model_with_images(pool2, tmp_path, model, strategy):
     # a VLM model_type (a tiny random one) or checkpoint directory: two rows with an image each, built by hand;
     # gemma3 is a causal-LM type too (built as a text model it had 92.9M parameters, and verify exited 1)
     if model == "checkpoint":
@@ -128,13 +148,13 @@ def test_verify_a_vision_language_model_with_images(tmp_path, model, strategy):
 
         tiny_vlm("gemma3").save_pretrained(tmp_path / "ckpt")  # image blocks bidirectional, sliding layers
         model = str(tmp_path / "ckpt")
-    rc, report, err = _verify("--model", model, "--seq-len", "48", "--cp-size", "2", "--strategy", strategy)
-    assert rc == 0 and report["verdict"] == "exact", (report, err[-2000:])
+    report = _rank_reports(pool2, model, 48, strategy)
+    assert report["verdict"] == "exact", report
     assert report["loss_err"] < 1e-5 and report["grad_err"] < 1e-4 and report["logit_err"] < 1e-4, report
 
 
-def test_verify_a_vision_language_model_hfcp_refuses_or_cannot_fill():
-    rc, report, _ = _verify("--model", "qwen3_vl_moe", "--seq-len", "48", "--cp-size", "2")
-    assert rc == 1 and report["verdict"] == "refused" and "qwen3_vl_moe" in report["reason"], report
-    rc, _, err = _verify("--model", "llava", "--seq-len", "20", "--cp-size", "2", report=False)
+def test_verify_a_vision_language_model_hfcp_refuses_or_cannot_fill(pool2):
+    report = _rank_reports(pool2, "qwen3_vl_moe", 48)
+    assert report["verdict"] == "refused" and "qwen3_vl_moe" in report["reason"], report
+    rc, _, err = _verify("--model", "llava", "--seq-len", "20", "--cp-size", "2", report=False)  # in the parent
     assert rc == 1 and "16 tokens per image do not fit 20" in err and "longer --seq-len" in err, err
