@@ -16,11 +16,7 @@ import torch.distributed as dist
 from hfcp.testing.tiny_vlm import image_batch, text_batch, tiny_vlm
 from hfcp.commands.verify import grad_error
 
-LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
-
-
-def _grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+from sweep_families import GRAD_TOL, LOSS_TOL, _averaged, _grads  # the family sweep's tolerances and helpers
 
 
 def _compare(model_type: str, make_batch) -> dict:
@@ -48,10 +44,7 @@ def _compare(model_type: str, make_batch) -> dict:
         return {"result": "refused" if refused else "error", "detail": f"{type(e).__name__}: {str(e)[:300]}"}
     finally:
         hfcp.unpatch(model)
-    grads = _grads(model)
-    for g in grads.values():
-        dist.all_reduce(g)
-        g /= dist.get_world_size()
+    grads = _averaged(_grads(model))
     ref_grads = _grads(ref)
     loss_err = abs(got.item() - want.item()) / abs(want.item())
     grad_err = grad_error(grads, ref_grads) if grads.keys() == ref_grads.keys() else float("inf")

@@ -6,11 +6,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from launches import LAUNCH, run_together
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "scripts" / "finetune_lora.py")
 COMMON = ["--seq-len", "256", "--max-steps", "4", "--save-every", "2", "--lora-r", "4", "--eval-docs", "1",
           "--grad-accum", "2"]
+
+VIDEO = ["--task", "video", "--frames", "8", "--batch-size", "2", "--max-steps", "3", "--lora-r", "4",
+         "--eval-docs", "2"]
 
 
 def _run(cmd, **env):
@@ -24,20 +28,24 @@ def _losses(out_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The LoRA job in one process and at cp 2, the video task likewise (all four at the same time), then a cp 2
+    run resumed from the first one's checkpoint."""
     d = tmp_path_factory.mktemp("ft")
-    single = _run([sys.executable, SCRIPT, *COMMON, "--output-dir", str(d / "single")])
-    assert single.returncode == 0, single.stderr[-3000:]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     # cp 2 from an accelerate config file that sets FSDP2 and a ParallelismConfig (cp_size 2): accelerate alone would
     # refuse it on CPU (its ParallelismConfig needs FSDP2, which it enables only on accelerators); HfcpTrainer takes
     # the cp dimension and hands accelerate none
     config = str(ROOT / "scripts" / "configs" / "accelerate_fsdp2_cp2.yaml")
-    cp = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, SCRIPT, *COMMON,
-               "--output-dir", str(d / "cp2")])
-    assert cp.returncode == 0, cp.stderr[-3000:]
-    assert "dp=1 x cp=2" in cp.stdout, cp.stdout[-2000:]
-    resumed = _run([*launch, SCRIPT, *COMMON, "--output-dir", str(d / "resumed"),
+    first = run_together({
+        "single": [sys.executable, SCRIPT, *COMMON, "--output-dir", str(d / "single")],
+        "cp2": [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--main_process_port",
+                "0", SCRIPT, *COMMON, "--output-dir", str(d / "cp2")],
+        "video_single": [sys.executable, SCRIPT, *VIDEO, "--output-dir", str(d / "video_single")],
+        "video_cp2": [*LAUNCH, SCRIPT, *VIDEO, "--output-dir", str(d / "video_cp2")],
+    }, d)
+    for name, r in first.items():
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+    assert "dp=1 x cp=2" in first["cp2"].stdout, first["cp2"].stdout[-2000:]
+    resumed = _run([*LAUNCH, SCRIPT, *COMMON, "--output-dir", str(d / "resumed"),
                     "--resume-from", str(d / "cp2" / "checkpoint-2")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return d
@@ -88,39 +96,49 @@ def test_saved_adapter_loads_with_peft(runs):
     assert any("lora_A" in n for n, _ in model.named_parameters())
 
 
-@pytest.mark.parametrize("args, env, message", [
-    (["--model", "/nonexistent/ckpt"], {}, "--model /nonexistent/ckpt: no checkpoint directory"),
-    (["--data", "{empty}"], {}, "found no text"),
-    (["--seq-len", "100000"], {}, "--seq-len 100000 exceeds the model's max_position_embeddings=8192"),
-    (["--cp-size", "3"], {"WORLD_SIZE": "2"}, "--cp-size 3 must divide the number of processes (2)"),
-    (["--task", "video", "--seq-len", "512"], {}, "--seq-len: the video task runs the embedded tiny VLM"),
-    (["--task", "video", "--frames", "0"], {}, "--frames 0 must be positive"),
-])
-def test_bad_input_one_line_error(tmp_path, args, env, message):
-    args = [a.replace("{empty}", str(tmp_path)) for a in args]
-    r = _run([sys.executable, SCRIPT, *args, "--output-dir", str(tmp_path / "out")], **env)
+BAD_INPUTS = {
+    "model": (["--model", "/nonexistent/ckpt"], {}, "--model /nonexistent/ckpt: no checkpoint directory"),
+    "data": (["--data", "{empty}"], {}, "found no text"),
+    "seq_len": (["--seq-len", "100000"], {}, "--seq-len 100000 exceeds the model's max_position_embeddings=8192"),
+    "cp_size": (["--cp-size", "3"], {"WORLD_SIZE": "2"}, "--cp-size 3 must divide the number of processes (2)"),
+    "video_seq_len": (["--task", "video", "--seq-len", "512"], {}, "--seq-len: the video task runs the embedded tiny VLM"),
+    "video_frames": (["--task", "video", "--frames", "0"], {}, "--frames 0 must be positive"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory):
+    """{case: CompletedProcess} of the job on each of BAD_INPUTS, run at the same time (those with an environment
+    of their own, one after the other)."""
+    d = tmp_path_factory.mktemp("bad")
+
+    def command(case):
+        args = [a.replace("{empty}", str(d / "empty")) for a in BAD_INPUTS[case][0]]
+        return [sys.executable, SCRIPT, *args, "--output-dir", str(d / case / "out")]
+
+    (d / "empty").mkdir()
+    plain = [case for case, (_, env, _) in BAD_INPUTS.items() if not env]
+    done = run_together({case: command(case) for case in plain}, d)
+    for case in set(BAD_INPUTS) - set(plain):
+        done[case] = _run(command(case), **BAD_INPUTS[case][1])
+    return done
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_one_line_error(bad_runs, case):
+    r, message = bad_runs[case], BAD_INPUTS[case][2]
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert message in last and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
-VIDEO = ["--task", "video", "--frames", "8", "--batch-size", "2", "--max-steps", "3", "--lora-r", "4",
-         "--eval-docs", "2"]
-
-
-def test_video_task_cp2_losses_equal_single_process(tmp_path):
+def test_video_task_cp2_losses_equal_single_process(runs):
     """--task video: a tiny Qwen2-VL on generated videos (the vision tower split over the CP group): the losses of
     2 processes (cp 2) are those of one process, and the summary reports the answer accuracy."""
-    single = _run([sys.executable, SCRIPT, *VIDEO, "--output-dir", str(tmp_path / "single")])
-    assert single.returncode == 0, single.stderr[-3000:]
-    cp = _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", SCRIPT, *VIDEO,
-               "--output-dir", str(tmp_path / "cp2")])
-    assert cp.returncode == 0, cp.stderr[-3000:]
-    a, b = _losses(tmp_path / "single"), _losses(tmp_path / "cp2")
+    a, b = _losses(runs / "video_single"), _losses(runs / "video_cp2")
     assert len(a) == len(b) == 3 and a[0] > 1.0, (a, b)  # the first answers are guesses
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-5 * abs(x), (a, b)
-    summary = json.loads((tmp_path / "cp2" / "summary.json").read_text())
+    summary = json.loads((runs / "video_cp2" / "summary.json").read_text())
     assert {"answer_accuracy_before", "answer_accuracy_after"} <= summary.keys()
     assert summary["adapter_identical_on_all_ranks"] is True

@@ -2,26 +2,25 @@
 the sequence over the CP group, against one process: the same losses and the same trained model."""
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from launches import LAUNCH, run_together
 from test_finetune import ROOT, SCRIPT, _losses, _run
 
 COMMON = ["--full-finetune", "--seq-len", "256", "--max-steps", "4", "--eval-docs", "1", "--grad-accum", "2",
           "--lr", "2e-3"]
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("full")
-    single = _run([sys.executable, SCRIPT, *COMMON, "--output-dir", str(d / "single")])
+    done = run_together({"single": [sys.executable, SCRIPT, *COMMON, "--output-dir", str(d / "single")],
+                         "fsdp": [*LAUNCH, SCRIPT, *COMMON, "--output-dir", str(d / "fsdp_cp2")]}, d)
+    single, fsdp = done["single"], done["fsdp"]
     assert single.returncode == 0, single.stderr[-3000:]
-    fsdp = _run([*LAUNCH, SCRIPT, *COMMON, "--output-dir", str(d / "fsdp_cp2")])
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     assert "dp=1 x cp=2, parameters sharded over 2 (FSDP2)" in fsdp.stdout, fsdp.stdout[-2000:]
     return d

@@ -7,13 +7,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+import pytest
+from launches import LAUNCH, ROOT, run_together
+
+BENCH_VLM = [sys.executable, "scripts/bench_vlm.py", "--repeats", "1", "--width", "64", "--layers", "1"]
+
+# each script run the tests below read, started at the same time
+RUNS = {
+    "example_one": lambda tmp: [sys.executable, "scripts/example_cp.py", "--seq-len", "128", "--steps", "2"],
+    "example_two": lambda tmp: [*LAUNCH, "scripts/example_cp.py", "--seq-len", "128", "--steps", "2"],
+    "video_long": lambda tmp: [*LAUNCH, "scripts/video_long.py", "--frames", "16", "--image-size", "32"],
+    "generate_long": lambda tmp: [*LAUNCH, "scripts/generate_long.py", "--prompt-tokens", "600", "--max-new-tokens",
+                                  "6", "--check", "--json", str(tmp / "summary.json")],
+    "vlm_images": lambda tmp: [*BENCH_VLM, "--images", "4", "--cps", "1"],
+    "vlm_video": lambda tmp: [*BENCH_VLM, "--video", "8", "--cps", "2"],
+}
 
 
-def _run(cmd):
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: (CompletedProcess, the runs' temporary directory)} of RUNS."""
+    tmp = tmp_path_factory.mktemp("scripts")
+    return {name: (r, tmp) for name, r in run_together({n: cmd(tmp) for n, cmd in RUNS.items()}, tmp).items()}
 
 
 def test_every_script_is_listed_in_the_scripts_reference():
@@ -22,9 +37,8 @@ def test_every_script_is_listed_in_the_scripts_reference():
         assert f"`scripts/{script.name}`" in page, f"docs/reference/scripts.md does not list scripts/{script.name}"
 
 
-def test_example_cp_under_accelerate_equals_one_process():
-    one = _run([sys.executable, "scripts/example_cp.py", "--seq-len", "128", "--steps", "2"])
-    two = _run([*LAUNCH, "scripts/example_cp.py", "--seq-len", "128", "--steps", "2"])
+def test_example_cp_under_accelerate_equals_one_process(runs):
+    (one, _), (two, _) = runs["example_one"], runs["example_two"]
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
     losses = [re.findall(r"step (\d): loss ([\d.]+)\s+local tokens (\d+) of 128", r.stdout) for r in (one, two)]
     assert len(losses[0]) == len(losses[1]) == 2, (one.stdout, two.stdout)
@@ -32,17 +46,16 @@ def test_example_cp_under_accelerate_equals_one_process():
     assert losses[0][0][2] == "128" and losses[1][0][2] == "64", losses
 
 
-def test_video_long_runs_and_matches_the_unpatched_loss():
-    r = _run([*LAUNCH, "scripts/video_long.py", "--frames", "16", "--image-size", "32"])
+def test_video_long_runs_and_matches_the_unpatched_loss(runs):
+    r, _ = runs["video_long"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert "loss" in r.stdout and "peak" in r.stdout, r.stdout
 
 
-def test_generate_long_streams_the_tokens_of_one_process(tmp_path):
+def test_generate_long_streams_the_tokens_of_one_process(runs):
     # cp 2 under accelerate: the prompt spread over both processes, the tokens streamed and those of the unpatched
     # model (--check), the time to first token, the decode speed and half the KV cache per rank reported
-    r = _run([*LAUNCH, "scripts/generate_long.py", "--prompt-tokens", "600", "--max-new-tokens", "6", "--check",
-              "--json", str(tmp_path / "summary.json")])
+    r, tmp_path = runs["generate_long"]
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["same_as_unpatched"] and summary["new_tokens"] == 6 and summary["processes"] == 2, summary
@@ -70,20 +83,19 @@ def test_gpu_check_is_valid_bash_and_refuses_without_a_gpu():
     assert r.returncode != 0 and "no CUDA GPU here" in r.stderr, r.stderr[-2000:]
 
 
-def _bench_vlm_rows(*args):
-    r = _run([sys.executable, "scripts/bench_vlm.py", *args, "--repeats", "1", "--width", "64", "--layers", "1"])
+def _bench_vlm_rows(r):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     return [row[2].strip() for row in rows], [float(row[8]) for row in rows], r.stdout
 
 
-def test_bench_vlm_images_run_in_one_process():
+def test_bench_vlm_images_run_in_one_process(runs):
     """The images path of the script (one plain process: the tower's split is the video test's and test_vlm's)."""
-    towers, losses, out = _bench_vlm_rows("--images", "4", "--cps", "1")
+    towers, losses, out = _bench_vlm_rows(runs["vlm_images"][0])
     assert towers == ["one process"] and "4 images" in out and losses[0] > 0, out
 
 
-def test_bench_vlm_video_lora_step_keeps_the_loss():
-    towers, losses, out = _bench_vlm_rows("--video", "8", "--cps", "2")
+def test_bench_vlm_video_lora_step_keeps_the_loss(runs):
+    towers, losses, out = _bench_vlm_rows(runs["vlm_video"][0])
     assert towers == ["split over the ranks", "whole on every rank"] and "a video of 8 frames" in out, out
     assert abs(losses[0] - losses[1]) <= 1e-5 * losses[0], losses

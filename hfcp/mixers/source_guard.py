@@ -5,11 +5,13 @@ bound. After checking a new transformers version exact (the family sweep), a mai
 with `fingerprints_of` and updates the record."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import sys
 
 
+@functools.lru_cache(maxsize=1024)  # per function object: patch checks the same classes' code again and again
 def source_fingerprint(function) -> str:
     """The first 16 hex digits of the sha256 of `function`'s source (decorators unwrapped); "" without source."""
     try:

@@ -1,0 +1,37 @@
+"""Script runs of the end-to-end tests, started at the same time: their processes' start-up (imports) and waits
+overlap on the two cores, instead of following each other."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# accelerate launch on 2 CPU processes; --main_process_port 0: a free port each, so that launches run side by side
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+
+
+def run_together(commands: dict, tmp: Path, timeout: float = 600, **env) -> dict:
+    """{name: CompletedProcess} of each command (an argument list) run from the repository root, all at once, with
+    `env` added to the environment. Output goes to files in `tmp`: a full pipe would block a process while another
+    is waited for."""
+    started = {}
+    for name, args in commands.items():
+        out, err = open(tmp / f"{name}.out", "w"), open(tmp / f"{name}.err", "w")
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=err, text=True, env={**os.environ, **env})
+        started[name] = (proc, args, out, err)
+    done = {}
+    for name, (proc, args, out, err) in started.items():
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        finally:
+            out.close()
+            err.close()
+        done[name] = subprocess.CompletedProcess(args, proc.returncode, (tmp / f"{name}.out").read_text(),
+                                                 (tmp / f"{name}.err").read_text())
+    return done
