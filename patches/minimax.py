@@ -27,7 +27,8 @@ from hfcp.mixers.state_fold import scalar_decay_over_ranks
 
 from .verified import TRANSFORMERS_VERSION
 
-# hfcp.mixers.source_guard.source_fingerprint of the code hfcp reproduces: the forward, and the decays its blocks and the fold use
+# source_fingerprint (hfcp/mixers/source_guard.py) of the code hfcp reproduces: the forward, and the decays its
+# blocks and the fold use
 FINGERPRINTS = {"MiniMaxLightningAttention.forward": "03c3f915c0c99c09",
                 "MiniMaxLightningAttention.decay_factors": "ad8879a83947a830",
                 "MiniMaxLightningAttention.get_slope_rate": "c7263d11caad997b"}

@@ -101,7 +101,8 @@ BAD_INPUTS = {
     "data": (["--data", "{empty}"], {}, "found no text"),
     "seq_len": (["--seq-len", "100000"], {}, "--seq-len 100000 exceeds the model's max_position_embeddings=8192"),
     "cp_size": (["--cp-size", "3"], {"WORLD_SIZE": "2"}, "--cp-size 3 must divide the number of processes (2)"),
-    "video_seq_len": (["--task", "video", "--seq-len", "512"], {}, "--seq-len: the video task runs the embedded tiny VLM"),
+    "video_seq_len": (["--task", "video", "--seq-len", "512"], {},
+                      "--seq-len: the video task runs the embedded tiny VLM"),
     "video_frames": (["--task", "video", "--frames", "0"], {}, "--frames 0 must be positive"),
 }
 

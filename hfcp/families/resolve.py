@@ -13,8 +13,8 @@ from transformers import PreTrainedModel
 from transformers.models.auto import modeling_auto
 
 from ..attention import build_usp_groups, check_heads, check_ulysses_size
-from .introspect import (interface_attention_classes, logit_transform, not_through_interface, other_mixers,
-                         router_aux_loss, token_convolution)
+from .forward_source import logit_transform, router_aux_loss
+from .introspect import interface_attention_classes, not_through_interface, other_mixers, token_convolution
 from ..loss.linear_ce import LogitTransform
 from .registry import REGISTRY, Patcher, UnsupportedModelError
 from ..distributed.tensor_parallel import is_sharded, tensor_parallel_ranks
