@@ -1,0 +1,300 @@
+"""Per-sequence log-probabilities of given target tokens (what DPO, KTO, GRPO read) without whole logits.
+
+`sequence_logps` runs a causal LM to its last hidden states (its output head is replaced, for that one call, by a
+stand-in that keeps them and returns no logits), then takes log p(target) chunk by chunk through the head. Under
+CP the hidden states and targets are this rank's tokens; each row's sum is all-reduced over the CP group.
+
+Backward recomputes each chunk's logits (target_logps): the upstream gradient is one number per token (a DPO loss
+weighs each row, GRPO each token), so the (tokens x vocab) gradient of the logits cannot be folded in forward as the
+LM loss does (its upstream is one scalar). Recomputing costs one more head matmul per chunk in backward and keeps
+nothing in forward beyond the hidden states autograd holds anyway; a forward without grad (a reference model's)
+does no gradient work at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
+from transformers.models.auto import modeling_auto
+
+from ..checks import check_same_batch, check_shapes, check_token_range
+from ..distributed.collectives import all_reduce_sum
+from ..distributed.tensor_parallel import is_sharded
+from ..hooks.batch import _vocab
+from ..hooks.outputs import swap_forward
+from ..families.introspect import logit_transform
+from ..state import cp_state, find_pretrained
+from .cross_entropy import shift_labels
+from .linear_ce import IDENTITY, IGNORE_INDEX, LogitTransform, chunk_starts
+
+# model keywords sequence_logps sets itself or that would make the model compute (or keep) logits
+_OWN_KEYWORDS = ("labels", "shift_labels", "logits_to_keep", "num_items_in_batch", "hfcp_loss_chunk",
+                 "hfcp_token_stats")
+
+
+@dataclass
+class SequenceLogps:
+    """What `sequence_logps` returns.
+
+    sums: (B,) fp32, each row's sum of log p(target) over its counted targets; the same on every rank of a CP group,
+        differentiable.
+    counts: (B,) int64, each row's number of counted targets; the same on every rank.
+    token_logps: (B, L_local) fp32, this rank's tokens: position i holds log p(labels[:, i + 1]) given the tokens up
+        to i, 0 where that target is not counted. `hfcp.gather_sequence(token_logps, model)` gives (B, L).
+    token_mask: (B, L_local) bool, the positions whose target is counted (in the same layout).
+    output: the model's output, without logits (its other fields: an MoE model's aux_loss, say).
+    """
+
+    sums: torch.Tensor
+    counts: torch.Tensor
+    token_logps: torch.Tensor
+    token_mask: torch.Tensor
+    output: object = None
+
+    @property
+    def means(self) -> torch.Tensor:
+        """(B,) sums / counts (0 for a row without a counted target)."""
+        return self.sums / self.counts.clamp_min(1).to(self.sums)
+
+
+def _target_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits (n, V) fp32, targets (n,) -> (n,) log_softmax(logits)[target], 0 where the target is IGNORE_INDEX."""
+    valid = targets != IGNORE_INDEX
+    picked = logits.gather(1, targets.clamp_min(0)[:, None])[:, 0]
+    return torch.where(valid, picked - torch.logsumexp(logits, dim=-1), 0.0)
+
+
+class LinearTargetLogps(torch.autograd.Function):
+    """log p(target) through a linear head: hidden (N, H), targets (N,) -> (N,) fp32. No logits are saved: backward
+    recomputes each chunk's, so no (tokens x vocab) tensor outlives its chunk in either pass."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk, transform):
+        out = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+        for start in chunk_starts(targets, chunk):
+            part = slice(start, start + chunk)
+            out[part] = _target_logps(transform(F.linear(hidden[part], weight, bias).float()), targets[part])
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.chunk, ctx.transform = chunk, transform
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        transform, chunk = ctx.transform, ctx.chunk
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        upstream = torch.where(targets != IGNORE_INDEX, grad.float(), 0.0)  # (N,): a constant 0 has no gradient
+        for start in chunk_starts(targets, chunk):
+            part = slice(start, start + chunk)
+            h, t, g = hidden[part], targets[part], upstream[part, None]
+            logits = transform(F.linear(h, weight, bias).float())  # (n, V), recomputed
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            # d logp / d logits = onehot(target) - softmax; the softcap's derivative needs the capped logits: keep them
+            dlogits = (logits - lse).exp_() if transform.tanh else logits.sub_(lse).exp_()
+            dlogits.mul_(-g).scatter_add_(1, t.clamp_min(0)[:, None], g)
+            dlogits = transform.grad_(dlogits, logits)
+            d = dlogits.to(hidden.dtype)
+            if need_h:
+                grad_h[part] = d @ weight  # (n, H)
+            if need_w:
+                grad_w += (d.t() @ h).float()  # (V, H)
+            if need_b:
+                grad_b += dlogits.sum(0)
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def _chunk_logps(hidden: torch.Tensor, targets: torch.Tensor, head, transform: LogitTransform) -> torch.Tensor:
+    return _target_logps(transform(head(hidden).float()), targets)
+
+
+def target_logps(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int,
+                 transform: LogitTransform = IDENTITY) -> torch.Tensor:
+    """log_softmax(transform(head(hidden)))[target] per token, `chunk` tokens at a time: hidden (N, H), targets (N,)
+    with IGNORE_INDEX for none -> (N,) fp32, 0 where there is no target.
+
+    A plain nn.Linear head takes LinearTargetLogps; any other (a PEFT-wrapped lm_head) runs per chunk under
+    activation checkpointing (backward recomputes its logits through autograd).
+    """
+    if type(head) is torch.nn.Linear:
+        return LinearTargetLogps.apply(hidden, head.weight, head.bias, targets, chunk, transform)
+    counted = set(chunk_starts(targets, chunk))
+    parts = []
+    for start in range(0, targets.numel(), chunk):
+        h, t = hidden[start : start + chunk], targets[start : start + chunk]
+        if start not in counted:
+            parts.append(torch.zeros(t.shape, dtype=torch.float32, device=hidden.device))
+        elif torch.is_grad_enabled():
+            parts.append(checkpoint(_chunk_logps, h, t, head, transform, use_reentrant=False))
+        else:
+            parts.append(_chunk_logps(h, t, head, transform))
+    return torch.cat(parts)
+
+
+def _is_causal_lm(model) -> bool:
+    names = {c.__name__ for c in type(model).__mro__}  # (FSDP2's dynamic subclass keeps the class in its MRO)
+    mapped = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return any(n in names for v in mapped for n in ((v,) if isinstance(v, str) else v))
+
+
+def _head_and_transform(inner, state):
+    """(the output head, what the forward does to its output), read from the model; raises on every rank alike
+    (before any collective) for a model whose log-probabilities hfcp cannot compute from its hidden states."""
+    name = f"{type(inner).__name__} (model_type={inner.config.model_type!r})"
+    if (state is not None and state.head != "causal_lm") or (state is None and not _is_causal_lm(inner)):
+        raise ValueError(f"hfcp.sequence_logps needs a causal LM (a *ForCausalLM); {name} is not one")
+    if inner.config.get_text_config() is not inner.config or (state is not None and state.patcher.language_model):
+        raise ValueError(f"hfcp.sequence_logps does not support vision-language models yet; {name} is one. Compute "
+                         "log-probabilities from its logits (hfcp.gather_sequence(out.logits, model))")
+    head = inner.get_output_embeddings()
+    if not isinstance(head, torch.nn.Module):
+        raise ValueError(f"{name} has no output head module (get_output_embeddings() is {head!r})")
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and is_sharded(weight):
+        raise ValueError(f"the output head of {name} is sharded (tensor parallel), which hfcp.sequence_logps does not "
+                         "split; compute log-probabilities from the model's gathered logits")
+    transform = logit_transform(inner)
+    if transform is None:
+        raise ValueError(f"hfcp cannot read what the forward of {name} does to its logits after the output head (a scale "
+                         "or softcap it does not recognise), so hfcp.sequence_logps would skip it; compute "
+                         "log-probabilities from the model's logits")
+    return head, transform
+
+
+def _check_options(temperature, chunk, model_kwargs: dict) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} must be a positive number")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be a positive number of tokens")
+    given = [k for k in _OWN_KEYWORDS if k in model_kwargs]
+    if given:
+        raise ValueError(f"hfcp.sequence_logps got {given}: pass the targets as labels= (and mask=); it computes no "
+                         "loss and no logits")
+
+
+def with_temperature(transform: LogitTransform, temperature: float) -> LogitTransform:
+    """transform(z) / temperature as one LogitTransform (the temperature divides its outer factor)."""
+    if temperature == 1:
+        return transform
+    if transform.tanh:
+        return dataclasses.replace(transform, out_scale=transform.out_scale / temperature)
+    return dataclasses.replace(transform, scale=transform.scale / temperature)
+
+
+def _targets(inner, x: torch.Tensor, labels, mask, attention_mask) -> torch.Tensor:
+    """(B, L) the target of each token (labels shifted over the whole sequence), IGNORE_INDEX where none is counted:
+    labels -100, mask false or the target a padding token (attention_mask 0). Raises alike on every rank."""
+    check_shapes({"labels": labels, "attention_mask": attention_mask}, *x.shape[:2])
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(labels.shape):
+            raise ValueError(f"mask has shape {tuple(getattr(mask, 'shape', ()))}; pass a (batch, seq) = "
+                             f"{tuple(labels.shape)} mask of the targets (1: counted, 0: not)")
+        if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError(f"mask has values other than 0 and 1 ({mask[(mask != 0) & (mask != 1)][0].item()!r}); "
+                             "pass a bool or 0/1 mask (weights are not supported)")
+    counted = labels != IGNORE_INDEX
+    for m in (mask, attention_mask):
+        if m is not None:
+            counted = counted & (m.to(labels.device) != 0)
+    labels = labels.masked_fill(~counted, IGNORE_INDEX)
+    check_token_range("labels[:, 1:]", labels[:, 1:], _vocab(inner, "output"), IGNORE_INDEX)
+    return shift_labels(labels)
+
+
+def _last_hidden_states(model, head, kwargs: dict):
+    """(the hidden states the model's forward passes to its output head, its output without logits): the head is
+    replaced for this call by a stand-in that keeps them and returns (B, L, 0) logits."""
+    kept = []
+
+    def keep(hidden, *args, **kw):
+        restore()
+        kept.append(hidden)
+        return hidden.new_zeros(*hidden.shape[:-1], 0)  # no logits
+
+    restore = swap_forward(head, keep)
+    try:
+        output = model(**kwargs)
+    finally:
+        restore()
+    if not kept:
+        raise RuntimeError(f"{type(find_pretrained(model)).__name__} did not call its output head module, so "
+                           "hfcp.sequence_logps found no hidden states; compute log-probabilities from its logits")
+    if not isinstance(output, tuple) and "logits" in output:
+        output = type(output)(**{k: v for k, v in output.items() if k != "logits"})
+    return kept[0], output
+
+
+def sequence_logps(model, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                   attention_mask: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+                   temperature: float = 1.0, chunk: int = 1024, **model_kwargs) -> SequenceLogps:
+    """Each row's sum and count of log p(target token) of a causal LM, computed chunk by chunk from its last hidden
+    states: (tokens x vocab) logits never exist beyond `chunk` tokens, in forward or backward.
+
+    Works on a patched model (each rank computes its tokens' terms; the sums are all-reduced over the CP group) and
+    on an unpatched one (the single-device values), PEFT-wrapped or not, with gradient checkpointing.
+
+    Args:
+        model: a transformers causal LM (optionally PEFT / DDP-wrapped), patched or not.
+        input_ids: (B, L), the full sequence (the same on every rank of a CP group), as for the model's forward.
+        labels: (B, L) target tokens, shifted as the LM loss shifts them: token i is scored on labels[:, i + 1];
+            -100 is not a target. Default: input_ids.
+        attention_mask: (B, L) as for the model; a padding token (0) is never a target.
+        mask: optional (B, L) bool or 0/1, aligned with labels: which targets count (a completion mask).
+        temperature: the logits (after the model's own scale / softcap) are divided by it before the log-softmax.
+        chunk: tokens per chunk through the output head.
+        **model_kwargs: the model's other inputs (position_ids for packed rows, inputs_embeds, ...).
+
+    Returns:
+        SequenceLogps: sums (B,) and counts (B,), whole and identical on every rank; the gradient of any function
+        of the sums, averaged over the CP group as DDP does, is the single-device one. token_logps / token_mask:
+        this rank's tokens (hfcp.gather_sequence gives the whole sequence).
+
+    Raises:
+        ValueError, on every rank before any collective: not a causal LM, a vision-language model, an output head
+            hfcp cannot read (an unrecognised logit transform, a tensor-parallel head), labels / logits_to_keep /
+            hfcp_loss_chunk among model_kwargs, a bad temperature or chunk; after the same-batch check: labels or
+            mask of the wrong shape, a label outside the vocabulary, a mask with values other than 0 / 1, ranks of a
+            CP group with different labels or mask.
+    """
+    inner = find_pretrained(model)
+    state = cp_state(inner)
+    head, transform = _head_and_transform(inner, state)
+    _check_options(temperature, chunk, model_kwargs)
+    x = input_ids if input_ids is not None else model_kwargs.get("inputs_embeds")
+    if labels is None:
+        if input_ids is None:
+            raise ValueError("hfcp.sequence_logps needs labels= when the model gets inputs_embeds")
+        labels = input_ids
+    if x is None:
+        raise ValueError("hfcp.sequence_logps needs input_ids or inputs_embeds")
+    if state is not None and state.check_inputs:  # (the model's hook checks its own inputs)
+        check_same_batch({"logps labels": labels, "logps mask": mask}, state.mesh.cp_group, ("logps labels", "logps mask"))
+    targets = _targets(inner, x, labels, mask, attention_mask)  # (B, L)
+    kwargs = {**model_kwargs, "input_ids": input_ids, "attention_mask": attention_mask}
+    if "use_cache" in inspect.signature(type(inner).forward).parameters:
+        kwargs.setdefault("use_cache", False)
+    hidden, output = _last_hidden_states(model, head, {k: v for k, v in kwargs.items() if v is not None})
+    local = targets if state is None else state.step.local(targets, fill=IGNORE_INDEX)  # (B, L_local)
+    B, n = local.shape
+    if tuple(hidden.shape[:2]) != (B, n):
+        raise RuntimeError(f"{type(inner).__name__} passed hidden states of shape {tuple(hidden.shape)} to its output "
+                           f"head; hfcp.sequence_logps expected ({B}, {n}, hidden)")
+    local = local.to(hidden.device)
+    token = target_logps(hidden.reshape(B * n, -1), local.reshape(-1), head, chunk,
+                         with_temperature(transform, float(temperature))).view(B, n)
+    sums = token.sum(1)  # (B,)
+    if state is not None:
+        sums = all_reduce_sum(sums, state.mesh.cp_group)
+        token.hfcp_step = state.step  # hfcp.gather_sequence refuses it after the next forward
+    counts = (targets != IGNORE_INDEX).sum(1).to(hidden.device)
+    return SequenceLogps(sums, counts, token, local != IGNORE_INDEX, output)
