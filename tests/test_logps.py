@@ -92,3 +92,16 @@ def test_one_process_without_patch_needs_no_process_group():
     assert torch.allclose(got.sums, sums, rtol=1e-5) and got.counts.tolist() == counts.tolist()
     assert torch.allclose(got.token_logps, tokens, rtol=1e-5, atol=1e-6)
     assert torch.allclose(got.means, sums / counts, rtol=1e-5) and got.output.logits is None
+    default = hfcp.sequence_logps(model, **batch)  # labels default to input_ids, padding never a target
+    every = torch.ones_like(labels, dtype=torch.bool)
+    sums, counts, _ = W.plain(model, batch, batch["input_ids"], every, 1.0)
+    assert torch.allclose(default.sums, sums, rtol=1e-5) and default.counts.tolist() == counts.tolist()
+    assert counts.tolist() == batch["attention_mask"][:, 1:].sum(1).tolist()
+
+
+def test_vision_language_model_is_refused():
+    from hfcp.testing.tiny_vlm import tiny_vlm
+
+    model = tiny_vlm("llava")
+    with pytest.raises(ValueError, match="does not support vision-language models yet; LlavaForConditionalGeneration"):
+        hfcp.sequence_logps(model, input_ids=torch.randint(0, 64, (1, 16)))

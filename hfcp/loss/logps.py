@@ -151,11 +151,11 @@ def _head_and_transform(inner, state):
     """(the output head, what the forward does to its output), read from the model; raises on every rank alike
     (before any collective) for a model whose log-probabilities hfcp cannot compute from its hidden states."""
     name = f"{type(inner).__name__} (model_type={inner.config.model_type!r})"
-    if (state is not None and state.head != "causal_lm") or (state is None and not _is_causal_lm(inner)):
-        raise ValueError(f"hfcp.sequence_logps needs a causal LM (a *ForCausalLM); {name} is not one")
     if inner.config.get_text_config() is not inner.config or (state is not None and state.patcher.language_model):
         raise ValueError(f"hfcp.sequence_logps does not support vision-language models yet; {name} is one. Compute "
                          "log-probabilities from its logits (hfcp.gather_sequence(out.logits, model))")
+    if (state is not None and state.head != "causal_lm") or (state is None and not _is_causal_lm(inner)):
+        raise ValueError(f"hfcp.sequence_logps needs a causal LM (a *ForCausalLM); {name} is not one")
     head = inner.get_output_embeddings()
     if not isinstance(head, torch.nn.Module):
         raise ValueError(f"{name} has no output head module (get_output_embeddings() is {head!r})")
