@@ -6,7 +6,7 @@ import torch
 import workers_logps as W
 import hfcp
 from hfcp.loss.linear_ce import IGNORE_INDEX, LogitTransform
-from hfcp.loss.logps import target_logps
+from hfcp.loss.target_logps import target_logps
 
 
 def _exact(r):

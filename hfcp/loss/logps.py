@@ -1,25 +1,16 @@
 """Per-sequence log-probabilities of given target tokens (what DPO, KTO, GRPO read) without whole logits.
 
 `sequence_logps` runs a causal LM to its last hidden states (its output head is replaced, for that one call, by a
-stand-in that keeps them and returns no logits), then takes log p(target) chunk by chunk through the head. Under
-CP the hidden states and targets are this rank's tokens; each row's sum is all-reduced over the CP group.
-
-Backward recomputes each chunk's logits (target_logps): the upstream gradient is one number per token (a DPO loss
-weighs each row, GRPO each token), so the (tokens x vocab) gradient of the logits cannot be folded in forward as the
-LM loss does (its upstream is one scalar). Recomputing costs one more head matmul per chunk in backward and keeps
-nothing in forward beyond the hidden states autograd holds anyway; a forward without grad (a reference model's)
-does no gradient work at all.
+stand-in that keeps them and returns no logits), then takes log p(target) chunk by chunk through the head
+(target_logps.py). Under CP the hidden states and targets are this rank's tokens; each row's sum is all-reduced over
+the CP group.
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
-from torch.utils.checkpoint import checkpoint
 from transformers.models.auto import modeling_auto
 
 from ..checks import check_same_batch, check_shapes, check_token_range
@@ -30,7 +21,8 @@ from ..hooks.outputs import swap_forward
 from ..families.introspect import logit_transform
 from ..state import cp_state, find_pretrained
 from .cross_entropy import shift_labels
-from .linear_ce import IDENTITY, IGNORE_INDEX, LogitTransform, chunk_starts
+from .linear_ce import IGNORE_INDEX
+from .target_logps import target_logps, with_temperature
 
 # model keywords sequence_logps sets itself or that would make the model compute (or keep) logits
 _OWN_KEYWORDS = ("labels", "shift_labels", "logits_to_keep", "num_items_in_batch", "hfcp_loss_chunk",
@@ -62,85 +54,6 @@ class SequenceLogps:
         return self.sums / self.counts.clamp_min(1).to(self.sums)
 
 
-def _target_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logits (n, V) fp32, targets (n,) -> (n,) log_softmax(logits)[target], 0 where the target is IGNORE_INDEX."""
-    valid = targets != IGNORE_INDEX
-    picked = logits.gather(1, targets.clamp_min(0)[:, None])[:, 0]
-    return torch.where(valid, picked - torch.logsumexp(logits, dim=-1), 0.0)
-
-
-class LinearTargetLogps(torch.autograd.Function):
-    """log p(target) through a linear head: hidden (N, H), targets (N,) -> (N,) fp32. No logits are saved: backward
-    recomputes each chunk's, so no (tokens x vocab) tensor outlives its chunk in either pass."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, transform):
-        out = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
-        for start in chunk_starts(targets, chunk):
-            part = slice(start, start + chunk)
-            out[part] = _target_logps(transform(F.linear(hidden[part], weight, bias).float()), targets[part])
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.chunk, ctx.transform = chunk, transform
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        hidden, weight, bias, targets = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        transform, chunk = ctx.transform, ctx.chunk
-        grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
-        upstream = torch.where(targets != IGNORE_INDEX, grad.float(), 0.0)  # (N,): a constant 0 has no gradient
-        for start in chunk_starts(targets, chunk):
-            part = slice(start, start + chunk)
-            h, t, g = hidden[part], targets[part], upstream[part, None]
-            logits = transform(F.linear(h, weight, bias).float())  # (n, V), recomputed
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            # d logp / d logits = onehot(target) - softmax; the softcap's derivative needs the capped logits: keep them
-            dlogits = (logits - lse).exp_() if transform.tanh else logits.sub_(lse).exp_()
-            dlogits.mul_(-g).scatter_add_(1, t.clamp_min(0)[:, None], g)
-            dlogits = transform.grad_(dlogits, logits)
-            d = dlogits.to(hidden.dtype)
-            if need_h:
-                grad_h[part] = d @ weight  # (n, H)
-            if need_w:
-                grad_w += (d.t() @ h).float()  # (V, H)
-            if need_b:
-                grad_b += dlogits.sum(0)
-        grad_w = grad_w.to(weight.dtype) if need_w else None
-        grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None
-
-
-def _chunk_logps(hidden: torch.Tensor, targets: torch.Tensor, head, transform: LogitTransform) -> torch.Tensor:
-    return _target_logps(transform(head(hidden).float()), targets)
-
-
-def target_logps(hidden: torch.Tensor, targets: torch.Tensor, head, chunk: int,
-                 transform: LogitTransform = IDENTITY) -> torch.Tensor:
-    """log_softmax(transform(head(hidden)))[target] per token, `chunk` tokens at a time: hidden (N, H), targets (N,)
-    with IGNORE_INDEX for none -> (N,) fp32, 0 where there is no target.
-
-    A plain nn.Linear head takes LinearTargetLogps; any other (a PEFT-wrapped lm_head) runs per chunk under
-    activation checkpointing (backward recomputes its logits through autograd).
-    """
-    if type(head) is torch.nn.Linear:
-        return LinearTargetLogps.apply(hidden, head.weight, head.bias, targets, chunk, transform)
-    counted = set(chunk_starts(targets, chunk))
-    parts = []
-    for start in range(0, targets.numel(), chunk):
-        h, t = hidden[start : start + chunk], targets[start : start + chunk]
-        if start not in counted:
-            parts.append(torch.zeros(t.shape, dtype=torch.float32, device=hidden.device))
-        elif torch.is_grad_enabled():
-            parts.append(checkpoint(_chunk_logps, h, t, head, transform, use_reentrant=False))
-        else:
-            parts.append(_chunk_logps(h, t, head, transform))
-    return torch.cat(parts)
-
-
 def _is_causal_lm(model) -> bool:
     names = {c.__name__ for c in type(model).__mro__}  # (FSDP2's dynamic subclass keeps the class in its MRO)
     mapped = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
@@ -165,8 +78,8 @@ def _head_and_transform(inner, state):
                          "split; compute log-probabilities from the model's gathered logits")
     transform = logit_transform(inner)
     if transform is None:
-        raise ValueError(f"hfcp cannot read what the forward of {name} does to its logits after the output head (a scale "
-                         "or softcap it does not recognise), so hfcp.sequence_logps would skip it; compute "
+        raise ValueError(f"hfcp cannot read what the forward of {name} does to its logits after the output head "
+                         "(a scale or softcap it does not recognise), so hfcp.sequence_logps would skip it; compute "
                          "log-probabilities from the model's logits")
     return head, transform
 
@@ -180,15 +93,6 @@ def _check_options(temperature, chunk, model_kwargs: dict) -> None:
     if given:
         raise ValueError(f"hfcp.sequence_logps got {given}: pass the targets as labels= (and mask=); it computes no "
                          "loss and no logits")
-
-
-def with_temperature(transform: LogitTransform, temperature: float) -> LogitTransform:
-    """transform(z) / temperature as one LogitTransform (the temperature divides its outer factor)."""
-    if temperature == 1:
-        return transform
-    if transform.tanh:
-        return dataclasses.replace(transform, out_scale=transform.out_scale / temperature)
-    return dataclasses.replace(transform, scale=transform.scale / temperature)
 
 
 def _targets(inner, x: torch.Tensor, labels, mask, attention_mask) -> torch.Tensor:
@@ -278,7 +182,8 @@ def sequence_logps(model, input_ids: torch.Tensor | None = None, labels: torch.T
     if x is None:
         raise ValueError("hfcp.sequence_logps needs input_ids or inputs_embeds")
     if state is not None and state.check_inputs:  # (the model's hook checks its own inputs)
-        check_same_batch({"logps labels": labels, "logps mask": mask}, state.mesh.cp_group, ("logps labels", "logps mask"))
+        seen = {"logps labels": labels, "logps mask": mask}
+        check_same_batch(seen, state.mesh.cp_group, tuple(seen))
     targets = _targets(inner, x, labels, mask, attention_mask)  # (B, L)
     kwargs = {**model_kwargs, "input_ids": input_ids, "attention_mask": attention_mask}
     if "use_cache" in inspect.signature(type(inner).forward).parameters:
