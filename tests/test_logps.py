@@ -56,6 +56,7 @@ def test_refusals_on_every_rank(pool2):
         assert "values other than 0 and 1" in r["weights"], r
         assert "different batches (logps labels)" in r["different labels"], r
         assert r["after"] == [16, 16], r  # no rank left behind in a collective
+        assert "an output of an earlier forward" in r["stale gather"], r
         assert "needs a causal LM" in r["base model"] and "LlamaModel" in r["base model"], r
         assert "cannot read what the forward of ShiftedLlama" in r["unread transform"], r
 
@@ -97,6 +98,12 @@ def test_one_process_without_patch_needs_no_process_group():
     sums, counts, _ = W.plain(model, batch, batch["input_ids"], every, 1.0)
     assert torch.allclose(default.sums, sums, rtol=1e-5) and default.counts.tolist() == counts.tolist()
     assert counts.tolist() == batch["attention_mask"][:, 1:].sum(1).tolist()
+    embeds = model.get_input_embeddings()(batch["input_ids"])
+    other = {k: v for k, v in batch.items() if k != "input_ids"}
+    from_embeds = hfcp.sequence_logps(model, labels=labels, mask=mask, temperature=0.9, inputs_embeds=embeds, **other)
+    assert torch.allclose(from_embeds.sums, got.sums, rtol=1e-6)
+    with pytest.raises(ValueError, match="needs labels= when the model gets inputs_embeds"):
+        hfcp.sequence_logps(model, inputs_embeds=embeds, **other)
 
 
 def test_vision_language_model_is_refused():

@@ -137,7 +137,10 @@ def refusals(case: dict) -> dict:
     other = labels.clone()
     other[0, -1] = (other[0, -1] + torch.distributed.get_rank()) % 64  # rank 1's labels differ
     out["different labels"] = message(lambda: hfcp.sequence_logps(model, labels=other, **batch))
-    out["after"] = hfcp.sequence_logps(model, labels=labels, **batch).counts.tolist()  # still in step
+    kept = hfcp.sequence_logps(model, labels=labels, **batch)
+    out["after"] = kept.counts.tolist()  # still in step
+    model(**batch)  # another forward: the kept per-token values' layout is gone
+    out["stale gather"] = message(lambda: hfcp.gather_sequence(kept.token_logps, model))
     hfcp.unpatch(model)
     base = transformers.LlamaModel(transformers.LlamaConfig(vocab_size=64, attn_implementation="sdpa", **SIZES))
     hfcp.patch(base, cp_size=case["cp"], strategy=case["strategy"])
