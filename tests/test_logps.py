@@ -41,6 +41,15 @@ def test_cp4_zigzag_equals_one_process(pool4):
     assert results[0]["local_len"] == 40 // 4  # padded to 8 chunks of 5: every rank holds 10 tokens
 
 
+def test_dp2_x_cp2_each_group_its_own_batch(pool4):
+    """The sums are reduced over the CP group, not the world: two CP groups with different batches each equal
+    one process on their own batch."""
+    results = pool4.run(W.compare, dict(strategy="allgather", cp=2, L=23, padded="right"))
+    for r in results:
+        _exact(r)
+    assert results[0]["sums_value"] == results[1]["sums_value"] != results[2]["sums_value"] == results[3]["sums_value"]
+
+
 def test_logits_never_whole(pool2):
     """At chunk 4, no (rows x vocab) tensor of more than 4 rows exists in forward or backward; each rank's whole
     logits would be 2 x 32 rows (and 2 x 64 in one process)."""

@@ -71,7 +71,8 @@ def objective(sums, tokens):
 def compare(case: dict) -> dict:
     """Errors of the patched model (case["cp"], case["strategy"]) and of the unpatched one against plain()."""
     T, chunk = case.get("temperature", 1.0), case.get("chunk", 5)
-    batch, labels, mask = inputs(case)
+    dp_rank = torch.distributed.get_rank() // case["cp"]  # each CP group its own batch (dp x cp)
+    batch, labels, mask = inputs({**case, "seed": 1 + dp_rank})
     ref = build(case)
     want_sums, want_counts, want_tokens = plain(ref, batch, labels, mask, T)
     objective(want_sums, want_tokens).backward()
