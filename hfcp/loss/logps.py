@@ -166,24 +166,24 @@ def sequence_logps(model, input_ids: torch.Tensor | None = None, labels: torch.T
     Raises:
         ValueError, on every rank before any collective: not a causal LM, a vision-language model, an output head
             hfcp cannot read (an unrecognised logit transform, a tensor-parallel head), labels / logits_to_keep /
-            hfcp_loss_chunk among model_kwargs, a bad temperature or chunk; after the same-batch check: labels or
-            mask of the wrong shape, a label outside the vocabulary, a mask with values other than 0 / 1, ranks of a
+            hfcp_loss_chunk among model_kwargs, a bad temperature or chunk; after the same-batch check: no input_ids
+            nor inputs_embeds, inputs_embeds without labels, labels or mask of the wrong shape, a label outside the vocabulary, a mask with values other than 0 / 1, ranks of a
             CP group with different labels or mask.
     """
     inner = find_pretrained(model)
     state = cp_state(inner)
     head, transform = _head_and_transform(inner, state)
     _check_options(temperature, chunk, model_kwargs)
+    if state is not None and state.check_inputs:  # the model's hook checks its inputs' values; these, what it cannot
+        seen = {"logps labels": labels, "logps mask": mask, "logps inputs": (input_ids is None, sorted(model_kwargs))}
+        check_same_batch(seen, state.mesh.cp_group, tuple(seen))
     x = input_ids if input_ids is not None else model_kwargs.get("inputs_embeds")
+    if x is None:
+        raise ValueError("hfcp.sequence_logps needs input_ids or inputs_embeds")
     if labels is None:
         if input_ids is None:
             raise ValueError("hfcp.sequence_logps needs labels= when the model gets inputs_embeds")
         labels = input_ids
-    if x is None:
-        raise ValueError("hfcp.sequence_logps needs input_ids or inputs_embeds")
-    if state is not None and state.check_inputs:  # (the model's hook checks its own inputs)
-        seen = {"logps labels": labels, "logps mask": mask}
-        check_same_batch(seen, state.mesh.cp_group, tuple(seen))
     targets = _targets(inner, x, labels, mask, attention_mask)  # (B, L)
     kwargs = {**model_kwargs, "input_ids": input_ids, "attention_mask": attention_mask}
     if "use_cache" in inspect.signature(type(inner).forward).parameters:
