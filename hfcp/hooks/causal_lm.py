@@ -18,7 +18,7 @@ from ..loss.router import global_aux
 from ..state import check_loss_chunk
 from .batch import as_kwargs, check_call, check_length_limit, check_lm_batch, forward_parameters, shard_inputs
 from .outputs import (check_attention_ran, first_field, keep_last_positions, output_values,
-                      stamp_sequence_outputs)
+                      stamp_sequence_outputs, swap_forward)
 from .side_inputs import (SPLIT_BY_HFCP, check_side_inputs, outer_model_call, refuse_outer_call,
                           refuse_unsplit_sequence_inputs, shard_side_inputs, side_input_names)
 
@@ -161,10 +161,7 @@ class LossHook(ModelHook):
         self._swap_head(head, last_positions)
 
     def _swap_head(self, head, forward):
-        own = head.__dict__.get("forward")  # an instance forward of its own (another hook), kept; else the class's
-        head.forward = forward
-        self._restore_head = (lambda: setattr(head, "forward", own)) if own is not None else \
-            (lambda: head.__dict__.pop("forward", None))
+        self._restore_head = swap_forward(head, forward)
 
     def restore_pending_head(self):
         if self._restore_head is not None:

@@ -21,6 +21,16 @@ def keep_last_positions(hidden: torch.Tensor, keep: int, step, group) -> torch.T
     return all_reduce_sum(rows, group)
 
 
+def swap_forward(module, forward):
+    """Make `forward` the instance forward of `module` (an output head, for one call); returns the restore function,
+    which may be called more than once. An instance forward of its own (another hook's) is kept and restored."""
+    own = module.__dict__.get("forward")
+    module.forward = forward
+    if own is not None:
+        return lambda: setattr(module, "forward", own)
+    return lambda: module.__dict__.pop("forward", None)
+
+
 def check_attention_ran(state, module) -> None:
     """Raises RuntimeError when a patched attention module ran this forward without calling hfcp's attention
     function (for example after model.set_attn_implementation(...) on a patched model): its output is wrong."""
