@@ -16,7 +16,7 @@ from .attention.interface import KEY
 from .families.resolve import Plan
 from .hooks import rope, vision, vlm
 from .hooks.causal_lm import LossHook, ShardSequenceHook
-from .hooks.heads import SEQUENCE_FORWARDS, SequenceClassificationHook
+from .hooks.heads import SequenceClassificationHook, classification_head_name
 from .hooks.vision_tower import VisionTowerSplitHook, splits_frames
 from .hooks.vlm import LanguageModelHook
 from .inference import generate
@@ -38,8 +38,10 @@ def attach_attention(state: CPState, inner, plan: Plan) -> None:
 
 
 def attach_causal_lm(state: CPState, inner, plan: Plan) -> None:
-    head = SEQUENCE_FORWARDS.get(type(inner).forward) if state.head == "sequence_classification" else None
-    add_hook(state, inner, ShardSequenceHook(state) if head is None else SequenceClassificationHook(state, head))
+    if state.head == "sequence_classification":
+        add_hook(state, inner, SequenceClassificationHook(state, classification_head_name(inner, state.head)))
+    else:
+        add_hook(state, inner, ShardSequenceHook(state))
     if state.head == "causal_lm" and hasattr(inner, "generate"):
         _wrap_generate(state, inner)
     if state.router_aux is not None and not isinstance(state.router_aux, str):

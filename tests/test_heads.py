@@ -22,6 +22,11 @@ SEQUENCE_CASES = [
     ("starcoder2", "right", "regression", 1),
     ("glm", None, "regression", 3),
     ("mixtral", "right", "single_label_classification", 3),
+    # forwards of their own that pool as the generic one, accepted by their fingerprint (patches/sequence_heads.py)
+    ("gpt2", "right", "single_label_classification", 3),
+    ("gpt_neox", "left", "regression", 1),
+    ("opt", None, "multi_label_classification", 3),
+    ("gpt_bigcode", "left", "single_label_classification", 2),
 ]
 TOKEN_CASES = [("llama", "right"), ("llama", "left"), ("mistral", None), ("qwen2", "right"), ("qwen3", "left"),
                ("gemma", None), ("phi3", "right"), ("starcoder2", "left")]
@@ -52,6 +57,7 @@ SEQUENCE_VARIANTS = {
     "no_pad_token_batch_1": dict(B=1, config=dict(pad_token_id=None), problem="regression", num_labels=1),
     "eval_mode": dict(train=False, padding="right", problem="multi_label_classification"),
     "lora_seq_cls": dict(lora=True, padding="right", problem="single_label_classification"),  # score in modules_to_save
+    "lora_patched_first": dict(lora=True, patch_first=True, padding="left", problem="regression", num_labels=1),
     "loss_chunk_int": dict(loss_chunk=8, padding="left", problem="single_label_classification"),
     "per_call_loss_chunk": dict(call=dict(hfcp_loss_chunk=8), problem="regression", num_labels=1),
     "local_len_equals_num_labels": dict(L=16, num_labels=8, problem="single_label_classification"),
@@ -104,9 +110,12 @@ REFUSALS = {
     "own_pooling_forward": (dict(family="llama", custom="first_token"),
                             "UnsupportedModelError: FirstTokenLlamaForSequenceClassification.forward is not transformers' "
                             "GenericForSequenceClassification.forward"),
-    "transformers_own_forward": (dict(family="gpt2", custom="GPT2ForSequenceClassification"),
-                                 "UnsupportedModelError: GPT2ForSequenceClassification.forward is not transformers' "
+    "transformers_own_forward": (dict(family="biogpt", custom="BioGptForSequenceClassification"),
+                                 "UnsupportedModelError: BioGptForSequenceClassification.forward is not transformers' "
                                  "GenericForSequenceClassification.forward"),
+    "subclass_of_a_registered_one": (dict(family="gpt2", custom="gpt2_subclass"),
+                                     "UnsupportedModelError: MyGPT2ForSequenceClassification.forward is not "
+                                     "transformers' GenericForSequenceClassification.forward"),
     "kv_cache": (dict(family="llama", call=dict(use_cache=True)),
                  "ValueError: a KV cache (use_cache=True, a cache, generate()) on a patched "
                  "LlamaForSequenceClassification"),
@@ -127,6 +136,13 @@ def test_refusals(pool2, name):
     results = pool2.run(W.refused, case)
     assert results[0].startswith(message), results[0]
     assert results[1] == results[0], results  # the same error on every rank, none left waiting
+
+
+def test_registered_forward_with_other_source_is_refused(pool2):
+    results = pool2.run(W.changed_source, dict(padding="right"))
+    assert results[0].startswith("UnsupportedModelError: GPT2ForSequenceClassification: hfcp: "
+                                 "GPT2ForSequenceClassification.forward is not the code hfcp verified"), results[0]
+    assert results[1] == results[0]
 
 
 def test_base_model_patched_alone_inside_a_sequence_classifier_is_refused(pool2):

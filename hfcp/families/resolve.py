@@ -19,7 +19,7 @@ from ..loss.linear_ce import LogitTransform
 from .registry import REGISTRY, Patcher, UnsupportedModelError
 from ..distributed.tensor_parallel import is_sharded, tensor_parallel_ranks
 from ..distributed.mesh import tp_ranks_of_device_mesh, cp_group_of_device_mesh
-from ..hooks.heads import check_classification_head
+from ..hooks.heads import classification_head_name
 from ..hooks.vision_tower import splits_tower
 from ..hooks.vlm import find_language_model, module_with_config
 
@@ -190,7 +190,7 @@ def plan_patch(inner: PreTrainedModel, patcher: Patcher, settings) -> Plan:
     if head in ("sequence_classification", "token_classification") and patcher.language_model:
         raise UnsupportedModelError(f"{type(inner).__name__} (model_type={model_type!r}): hfcp runs classification "
                                     "heads of language models, not of vision-language models")
-    check_classification_head(inner, head)
+    classification_head_name(inner, head)
     chunk, transform = _loss_chunk(inner, head, settings.loss_chunk)
     mesh = settings.device_mesh
     group = cp_group_of_device_mesh(mesh) if mesh is not None else settings.process_group
