@@ -18,9 +18,9 @@ from .causal_lm import ShardSequenceHook
 SEQUENCE_FORWARDS = {GenericForSequenceClassification.forward: "score"}
 TOKEN_FORWARDS = {GenericForTokenClassification.forward: "score"}
 _REPRODUCED = {"sequence_classification": (SEQUENCE_FORWARDS, GenericForSequenceClassification,
-                                           "the score at the last non-pad token"),
+                                           "score at the last non-pad token"),
                "token_classification": (TOKEN_FORWARDS, GenericForTokenClassification,
-                                        "the token-mean cross-entropy of its per-token scores")}
+                                        "token-mean cross-entropy of its per-token scores")}
 # sequence classifiers with a forward of their own that pools as the generic one (GPT-2's), registered by patches/:
 # class name -> (head module name, {"Class.forward": source fingerprint}, the transformers version they were read in)
 SEQUENCE_HEADS: dict[str, tuple[str, dict, str]] = {}
