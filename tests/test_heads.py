@@ -57,6 +57,7 @@ SEQUENCE_VARIANTS = {
     "no_pad_token_batch_1": dict(B=1, config=dict(pad_token_id=None), problem="regression", num_labels=1),
     "eval_mode": dict(train=False, padding="right", problem="multi_label_classification"),
     "lora_seq_cls": dict(lora=True, padding="right", problem="single_label_classification"),  # score in modules_to_save
+    "ddp": dict(ddp=True, padding="right", problem="single_label_classification"),
     "lora_patched_first": dict(lora=True, patch_first=True, padding="left", problem="regression", num_labels=1),
     "loss_chunk_int": dict(loss_chunk=8, padding="left", problem="single_label_classification"),
     "per_call_loss_chunk": dict(call=dict(hfcp_loss_chunk=8), problem="regression", num_labels=1),

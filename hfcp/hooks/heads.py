@@ -89,7 +89,8 @@ def last_non_pad_index(module, kw: dict) -> torch.Tensor:
 
 
 class SequenceClassificationHook(ShardSequenceHook):
-    """The sequence hook of a GenericForSequenceClassification model: before sharding, the global index of each
+    """The sequence hook of a sequence classifier (GenericForSequenceClassification's forward, or a registered one
+    that pools the same way; classification_head_name): before sharding, the global index of each
     row's pooled token (last_non_pad_index); for the forward, its score head returns that token's scores (B, C)
     summed over the CP group (differentiably: they are computed on the rank that holds the token) and broadcast to
     every local position, so whatever local index the model's own code picks, it gets them, and its own loss
