@@ -167,3 +167,18 @@ def test_pool_sequence_unpatched_and_bad_arguments():
     assert torch.equal(hfcp.pool_sequence(hidden, model, mask, how="last")[0], hidden[0, 28 - 29 // 3])
     with pytest.raises(ValueError, match="how='max' is not one of"):
         hfcp.pool_sequence(hidden, model, how="max")
+
+
+def test_classification_head_of_a_vision_language_model_is_refused():
+    import transformers
+
+    import hfcp
+    from hfcp.testing.tiny_vlm import tiny_vlm
+
+    config = tiny_vlm("gemma3").config
+    config.num_labels = 2
+    model = transformers.Gemma3ForSequenceClassification(config)
+    with pytest.raises(hfcp.UnsupportedModelError, match=r"Gemma3ForSequenceClassification \(model_type='gemma3'\): "
+                                                         "hfcp runs classification heads of language models, not of "
+                                                         "vision-language models"):
+        hfcp.patch(model)  # (raised before any collective: here, with one process)
