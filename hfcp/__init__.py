@@ -13,7 +13,8 @@ from .families.registry import Patcher, UnsupportedModelError, register_patcher,
 from . import patches  # noqa: E402,F401  (registers the families; installed from the repo's patches/)
 
 __all__ = [
-    "patch", "unpatch", "gather_sequence", "pool_sequence", "gather_outputs", "cp_state", "data_parallel_rank_and_size", "average_gradients",
+    "patch", "unpatch", "gather_sequence", "pool_sequence", "gather_outputs", "cp_state", "data_parallel_rank_and_size",
+    "average_gradients",
     "UnsupportedModelError", "CollectiveError", "Patcher", "register_patcher", "supported_model_types",
 ]
 __version__ = "0.1.0"

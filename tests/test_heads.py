@@ -109,8 +109,8 @@ def test_pool_sequence_cp4(pool4):
 
 REFUSALS = {
     "own_pooling_forward": (dict(family="llama", custom="first_token"),
-                            "UnsupportedModelError: FirstTokenLlamaForSequenceClassification.forward is not transformers' "
-                            "GenericForSequenceClassification.forward"),
+                            "UnsupportedModelError: FirstTokenLlamaForSequenceClassification.forward is not "
+                            "transformers' GenericForSequenceClassification.forward"),
     "transformers_own_forward": (dict(family="biogpt", custom="BioGptForSequenceClassification"),
                                  "UnsupportedModelError: BioGptForSequenceClassification.forward is not transformers' "
                                  "GenericForSequenceClassification.forward"),
