@@ -6,6 +6,7 @@ from .distributed.collectives import CollectiveError
 from .distributed.data import average_gradients, data_parallel_rank_and_size
 from .outputs import gather_outputs
 from .api import gather_sequence, patch, unpatch
+from .pooling import pool_sequence
 from .state import cp_state
 from .loss.logps import SequenceLogps, sequence_logps
 from .families.registry import Patcher, UnsupportedModelError, register_patcher, supported_model_types
@@ -13,8 +14,8 @@ from .families.registry import Patcher, UnsupportedModelError, register_patcher,
 from . import patches  # noqa: E402,F401  (registers the families; installed from the repo's patches/)
 
 __all__ = [
-    "patch", "unpatch", "gather_sequence", "gather_outputs", "cp_state", "data_parallel_rank_and_size", "average_gradients",
-    "sequence_logps", "SequenceLogps",
+    "patch", "unpatch", "gather_sequence", "pool_sequence", "gather_outputs", "cp_state", "data_parallel_rank_and_size",
+    "average_gradients", "sequence_logps", "SequenceLogps",
     "UnsupportedModelError", "CollectiveError", "Patcher", "register_patcher", "supported_model_types",
 ]
 __version__ = "0.1.0"

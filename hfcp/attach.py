@@ -1,7 +1,8 @@
 """What hfcp.patch attaches to a model, one function per model kind; each change pushes its undo on the state.
 
 - `attach_attention`: every kind: the record's other mixers bound, hfcp's attention function set, modules marked.
-- `attach_causal_lm`: the sequence hook (shard, loss), generate(), the router aux loss, dynamic RoPE.
+- `attach_causal_lm`: the sequence hook (shard, loss; a sequence classifier's pooled score), generate(), the router
+  aux loss, dynamic RoPE.
 - `attach_vlm`: the loss at the outer model, the sharding at its language model's input, the vision tower split.
 - `attach_vision`: a token model (ViT, video): the patch embeddings sharded, the head's input gathered.
 """
@@ -15,6 +16,7 @@ from .attention.interface import KEY
 from .families.resolve import Plan
 from .hooks import rope, vision, vlm
 from .hooks.causal_lm import LossHook, ShardSequenceHook
+from .hooks.heads import SequenceClassificationHook, classification_head_name
 from .hooks.vision_tower import VisionTowerSplitHook, splits_frames
 from .hooks.vlm import LanguageModelHook
 from .inference import generate
@@ -36,7 +38,10 @@ def attach_attention(state: CPState, inner, plan: Plan) -> None:
 
 
 def attach_causal_lm(state: CPState, inner, plan: Plan) -> None:
-    add_hook(state, inner, ShardSequenceHook(state))
+    if state.head == "sequence_classification":
+        add_hook(state, inner, SequenceClassificationHook(state, classification_head_name(inner, state.head)))
+    else:
+        add_hook(state, inner, ShardSequenceHook(state))
     if state.head == "causal_lm" and hasattr(inner, "generate"):
         _wrap_generate(state, inner)
     if state.router_aux is not None and not isinstance(state.router_aux, str):

@@ -74,7 +74,7 @@ class CPState:
     # what patch decided (fixed until unpatch)
     mesh: Mesh
     patcher: Patcher
-    head: str  # "causal_lm", "classification" or "base"
+    head: str  # "causal_lm", "sequence_classification", "token_classification", "classification" or "base"
     attn_owner: object  # the model whose attn_implementation patch set (a VLM: its language model only)
     original_attn: str
     loss_chunk: int | str | None = "auto"  # the setting, or None where the model's logits are needed

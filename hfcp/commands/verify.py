@@ -142,7 +142,7 @@ def _check_checkpoint(model: str, seq_len: int, data: str | None):
         return None  # within the positions the config names, or none named: nothing to look for
     try:
         with torch.device("meta"):  # the model's modules, no weights: whether it has a position table
-            return _auto_class(config.model_type).from_config(config)
+            return _auto_class(config.model_type, config).from_config(config)
     except Exception:
         return None  # the workers will say what fails, one line
 
@@ -215,9 +215,13 @@ def VLM_TYPES():  # noqa: N802 - a constant of the installed transformers
     return tuple(t for t in VLM if t not in CAUSAL_LM or has_vision(t))
 
 
-def _auto_class(model_type: str):
+def _auto_class(model_type: str, config=None):
+    """The auto class of a checkpoint's config (a sequence classifier when its architectures name one: a reward
+    model), else of the model_type: a vision-language model or a causal LM."""
     import transformers
 
+    if config is not None and _is_sequence_classifier(config):
+        return transformers.AutoModelForSequenceClassification
     vlm = model_type in VLM_TYPES()
     return transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
 
@@ -227,7 +231,8 @@ def load_model(model: str, dtype=torch.float32):
     if _is_checkpoint(model):
         from transformers import AutoConfig
 
-        cls = _auto_class(AutoConfig.from_pretrained(model).model_type)
+        config = AutoConfig.from_pretrained(model)
+        cls = _auto_class(config.model_type, config)
         return cls.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").train()
     if model in VLM_TYPES():
         from ..testing.tiny_vlm import tiny_vlm
@@ -239,11 +244,29 @@ def load_model(model: str, dtype=torch.float32):
 
 
 def _is_vlm(model) -> bool:
-    return model.config.model_type in VLM_TYPES()
+    return model.config.model_type in VLM_TYPES() and not _is_sequence_classifier(model.config)
+
+
+def _is_sequence_classifier(config) -> bool:
+    """Whether a checkpoint's config names a sequence-classification class (a reward model, a classifier)."""
+    return any(name.endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or ())
+
+
+def sequence_labels(config) -> torch.Tensor:
+    """(1, ...) labels of a sequence classifier's check, of its problem type (as transformers reads it: regression
+    for one label, single-label classes otherwise, unless config.problem_type says)."""
+    g = torch.Generator().manual_seed(0)
+    n, problem = config.num_labels, config.problem_type
+    if problem == "regression" or (problem is None and n == 1):
+        return torch.randn(1, n, generator=g) if n > 1 else torch.randn(1, generator=g)
+    if problem == "multi_label_classification":
+        return torch.randint(0, 2, (1, n), generator=g).float()
+    return torch.randint(0, n, (1,), generator=g)
 
 
 def make_batch(model, seq_len: int, data: str | None) -> dict:
-    """The inputs of the check: (1, seq_len) token ids (token_ids) as input_ids and labels; for a vision-language
+    """The inputs of the check: (1, seq_len) token ids (token_ids) as input_ids and labels (a sequence classifier's
+    checkpoint: labels of its problem type, sequence_labels); for a vision-language
     model, two rows with an image each, built by hand (hfcp.testing.tiny_vlm.image_batch; a checkpoint's ids then come from
     the tiny vocabulary of placeholders, so a text-only check of its text with --data stays the causal-LM one)."""
     if _is_vlm(model) and data is None:
@@ -251,6 +274,8 @@ def make_batch(model, seq_len: int, data: str | None) -> dict:
 
         return image_batch(model, seq_len)
     ids = token_ids(model, seq_len, data)
+    if _is_sequence_classifier(model.config):  # a reward model / classifier: its score at the last token
+        return {"input_ids": ids, "labels": sequence_labels(model.config)}
     return {"input_ids": ids, "labels": ids}
 
 

@@ -19,6 +19,7 @@ from ..loss.linear_ce import LogitTransform
 from .registry import REGISTRY, Patcher, UnsupportedModelError
 from ..distributed.tensor_parallel import is_sharded, tensor_parallel_ranks
 from ..distributed.mesh import tp_ranks_of_device_mesh, cp_group_of_device_mesh
+from ..hooks.heads import classification_head_name
 from ..hooks.vision_tower import splits_tower
 from ..hooks.vlm import find_language_model, module_with_config
 
@@ -27,8 +28,13 @@ log = logging.getLogger("hfcp")
 _HEADS = {  # transformers' auto mappings -> how hfcp treats the head
     "causal_lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
     "classification": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES"),
+    "sequence_classification": ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",),
+    "token_classification": ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",),
     "base": ("MODEL_MAPPING_NAMES",),
 }
+# the heads of a model over a token sequence (vision, video) and of a language model (a causal LM's sequence)
+_TOKEN_MODEL_HEADS = ("classification", "base")
+_LANGUAGE_MODEL_HEADS = ("causal_lm", "sequence_classification", "token_classification", "base")
 
 
 def patcher_for(inner: PreTrainedModel) -> Patcher:
@@ -120,7 +126,7 @@ def _warn_if_verified_elsewhere(patcher: Patcher) -> None:
 def _head_kind(model: PreTrainedModel, model_type: str, token_model: bool) -> str:
     names = [c.__name__ for c in type(model).__mro__]  # FSDP2 swaps in a dynamic subclass (FSDPLlamaForCausalLM)
     name = type(model).__name__
-    allowed = ("classification", "base") if token_model else ("causal_lm", "base")
+    allowed = _TOKEN_MODEL_HEADS if token_model else _LANGUAGE_MODEL_HEADS
     supported = []
     for kind in allowed:
         for mapping in _HEADS[kind]:
@@ -157,7 +163,7 @@ class Plan:
     """What hfcp.patch will do to one model, read from the model and the settings."""
 
     patcher: Patcher  # the record, with what it reads from the model filled in
-    head: str  # "causal_lm", "classification" or "base"
+    head: str  # "causal_lm", "sequence_classification", "token_classification", "classification" or "base"
     loss_chunk: int | str | None  # the setting kept, or None where the model's logits are needed
     transform: LogitTransform | None  # what the model does to its head's output (None: not read)
     process_group: object  # the CP group given (device_mesh's), or None: build one
@@ -181,6 +187,10 @@ def plan_patch(inner: PreTrainedModel, patcher: Patcher, settings) -> Plan:
     """
     model_type = inner.config.model_type
     head = _head_kind(inner, model_type, token_model=bool(patcher.embeddings_classes))
+    if head in ("sequence_classification", "token_classification") and patcher.language_model:
+        raise UnsupportedModelError(f"{type(inner).__name__} (model_type={model_type!r}): hfcp runs classification "
+                                    "heads of language models, not of vision-language models")
+    classification_head_name(inner, head)
     chunk, transform = _loss_chunk(inner, head, settings.loss_chunk)
     mesh = settings.device_mesh
     group = cp_group_of_device_mesh(mesh) if mesh is not None else settings.process_group
@@ -211,6 +221,9 @@ def _loss_chunk(inner: PreTrainedModel, head: str, setting):
     """(the loss chunk setting to keep, the model's logit transform): the chunked loss applies the transform, so a
     model whose transform hfcp cannot read computes its logits (chunk None)."""
     chunk = setting if head == "causal_lm" else None
+    if head != "causal_lm" and isinstance(setting, int):
+        log.info("hfcp: loss_chunk=%d applies to a causal LM's loss over its vocabulary; %s (head %s) has no such "
+                 "loss: its logits are computed as usual", setting, type(inner).__name__, head)
     transform = logit_transform(inner) if chunk is not None else None
     if chunk is not None and transform is None:
         log.info("hfcp: %s changes its logits after the output head in a way hfcp does not read; its loss is "

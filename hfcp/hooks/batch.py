@@ -67,12 +67,16 @@ def _vocab(module, which: str) -> int:
     return int(shape[0])
 
 
-def check_lm_batch(module, kw: dict, causal_lm: bool):
-    """Validate a causal LM / base model batch (every rank holds all of it, so every rank raises alike).
+def check_lm_batch(module, kw: dict, labels_kind: str | None):
+    """Validate a causal LM / base model / classifier batch (every rank holds all of it, so every rank raises alike).
 
-    Returns (x, labels, targets): x is input_ids or inputs_embeds; labels as given (None: no loss); targets (B, L)
-    the target of each token (labels shifted over the whole sequence, or shift_labels), IGNORE_INDEX where none.
-    Pops the loss keywords shift_labels and ignore_index from kw.
+    labels_kind: what the head's labels are: "shifted" (a causal LM: next-token targets), "token" (a token classifier:
+    one class per token, not shifted), "sequence" (a sequence classifier: one label row per sequence, left in kw for
+    the model's own loss) or None (no labels of hfcp's concern).
+    Returns (x, labels, targets): x is input_ids or inputs_embeds; labels as given (None: no loss by hfcp); targets
+    (B, L) the target of each token (labels shifted over the whole sequence, shift_labels, or the token classes),
+    IGNORE_INDEX where none. Pops the loss keywords shift_labels and ignore_index from kw for a causal LM, labels for
+    a causal LM and a token classifier.
     """
     ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
     if ids is None and embeds is None:
@@ -84,9 +88,11 @@ def check_lm_batch(module, kw: dict, causal_lm: bool):
     x = ids if ids is not None else embeds
     if ids is not None:
         check_token_range("input_ids", ids, _vocab(module, "input"))
-    check_shapes(kw, *x.shape[:2])
+    check_shapes({k: v for k, v in kw.items() if k != "labels"} if labels_kind == "sequence" else kw, *x.shape[:2])
     take_packed_lengths(kw, *x.shape[:2])
-    if not causal_lm:
+    if labels_kind == "token":
+        return (x, *_token_labels(module, kw))
+    if labels_kind != "shifted":
         return x, None, None
     labels, shifted = kw.pop("labels", None), kw.pop("shift_labels", None)
     ignore = kw.pop("ignore_index", IGNORE_INDEX)
@@ -102,6 +108,17 @@ def check_lm_batch(module, kw: dict, causal_lm: bool):
         check_token_range("shift_labels", shifted, vocab, ignore)
     targets = shifted.masked_fill(shifted == ignore, IGNORE_INDEX) if ignore != IGNORE_INDEX else shifted
     return x, labels, targets
+
+
+def _token_labels(module, kw: dict):
+    """(labels, targets) of a token classifier: its (B, L) labels are each token's class (not shifted), IGNORE_INDEX
+    ignored, as transformers' token-classification loss takes them; popped from kw (hfcp computes the loss)."""
+    labels = kw.pop("labels", None)
+    if labels is None:
+        return None, None
+    num_labels = int(module.config.num_labels)
+    check_token_range("labels", labels, num_labels, IGNORE_INDEX)
+    return labels, labels
 
 
 def take_packed_lengths(kw: dict, batch: int, length: int) -> None:

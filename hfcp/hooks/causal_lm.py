@@ -24,6 +24,7 @@ from .side_inputs import (SPLIT_BY_HFCP, check_side_inputs, outer_model_call, re
 
 
 DEFAULT_LOSS_CHUNK = 1024
+LABELS_OF_HEAD = {"causal_lm": "shifted", "token_classification": "token", "sequence_classification": "sequence"}
 
 
 def loss_chunk_for(setting, training: bool) -> int | None:
@@ -105,7 +106,8 @@ class LossHook(ModelHook):
             st.fwd.targets = layout.local(targets_full, st.mesh.cp_rank, fill=IGNORE_INDEX)
             if token_stats:
                 st.fwd.token_stats = torch.zeros(3, dtype=torch.float64, device=x.device)
-            self._chunk = loss_chunk_for(chunk_setting, module.training and torch.is_grad_enabled())
+            if st.head == "causal_lm":  # (a token classifier's logits are tokens x classes: nothing to chunk)
+                self._chunk = loss_chunk_for(chunk_setting, module.training and torch.is_grad_enabled())
             if self._chunk:
                 self._chunk_head(module)
         return (), kw
@@ -120,7 +122,7 @@ class LossHook(ModelHook):
         outer model that called a base model patched alone computes from the whole sequence (its labels, its router
         aux loss), the batch, the record's token side inputs, tensors of the whole sequence hfcp cannot split."""
         st = self.state
-        alone = self.shards and st.head != "causal_lm"  # a base model: maybe a language model patched alone
+        alone = self.shards and st.head == "base"  # a base model: maybe a language model patched alone
         outer = outer_model_call(module) if alone else {}
         if st.check_inputs:
             names = BATCH_NAMES + tuple(mask for mask, _ in pairs) + (("outer model",) if alone else ())
@@ -129,7 +131,7 @@ class LossHook(ModelHook):
             check_same_batch(seen, st.mesh.cp_group, names)
         if outer:
             refuse_outer_call(module, outer)
-        x, labels, targets = check_lm_batch(module, kw, st.head == "causal_lm")
+        x, labels, targets = check_lm_batch(module, kw, LABELS_OF_HEAD.get(st.head))
         if self.shards:  # (a VLM's outer model: its language model's hook checks what reaches it)
             check_side_inputs(module, kw, pairs, x.shape[:2])
             refuse_unsplit_sequence_inputs(module, kw, SPLIT_BY_HFCP | side_input_names(pairs), *x.shape[:2])

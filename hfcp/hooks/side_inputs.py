@@ -89,7 +89,8 @@ def refuse_unsplit_sequence_inputs(module, kw: dict, known, batch: int, length: 
 def outer_model_call(module, depth: int = 64) -> dict:
     """What the outer model's forward was called with when `module`, a patched model whose head computes no loss (a
     language model patched alone), runs inside the forward of a transformers model that contains it: {"owner": that
-    model, "labels": its labels tensor, "router_logits": whether it outputs router logits}, or {} when no such
+    model, "labels": its labels tensor, "router_logits": whether it outputs router logits, "pools": whether it is a
+    sequence classifier (it picks one token's score by an index computed from the whole input_ids)}, or {} when no such
     model called it. Read from the call stack: the outer model is not patched, so no hook of hfcp's sees its
     arguments. Its labels would be compared with this rank's shard of the logits, and its router aux loss taken over
     this rank's router logits only."""
@@ -104,21 +105,28 @@ def outer_model_call(module, depth: int = 64) -> dict:
             local = frame.f_locals
             owner = local.get("self")
             labels, router = local.get("labels"), local.get("output_router_logits")
+            pools = type(owner).__name__.endswith("ForSequenceClassification")
             if (isinstance(owner, PreTrainedModel) and owner is not module
-                    and (isinstance(labels, torch.Tensor) or router is True)
+                    and (isinstance(labels, torch.Tensor) or router is True or pools)
                     and any(m is module for m in owner.modules())):
                 found.setdefault("owner", owner)
                 if isinstance(labels, torch.Tensor):
                     found.setdefault("labels", labels)
                 found["router_logits"] = found.get("router_logits", False) or router is True
+                found["pools"] = found.get("pools", False) or pools
         frame = frame.f_back
     return found
 
 
 def refuse_outer_call(module, outer: dict) -> None:
     """Raises ValueError when the outer model (outer_model_call) of the patched language model `module` computes
-    something from the whole sequence that this rank holds a shard of: a loss from labels, a router aux loss."""
+    something from the whole sequence that this rank holds a shard of: a token's score, a loss from labels, a router
+    aux loss."""
     owner = type(outer["owner"]).__name__
+    if outer.get("pools"):
+        raise ValueError(f"{owner} picks each row's score at its last non-pad token, but only its "
+                         f"{type(module).__name__} is hfcp-patched: it would pick it from this rank's shard of the "
+                         "sequence by an index into the whole one. Patch the whole model, hfcp.patch(model)")
     if outer.get("labels") is not None:
         raise ValueError(f"{owner} was called with labels, but only its {type(module).__name__} is hfcp-patched: it "
                          "would compute the loss from this rank's shard of the logits against the whole labels. Call "

@@ -18,7 +18,7 @@ from ..distributed.collectives import all_reduce_sum
 from ..distributed.tensor_parallel import is_sharded
 from ..hooks.batch import _vocab
 from ..hooks.outputs import swap_forward
-from ..families.introspect import logit_transform
+from ..families.forward_source import logit_transform
 from ..state import cp_state, find_pretrained
 from .cross_entropy import shift_labels
 from .linear_ce import IGNORE_INDEX
