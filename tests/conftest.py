@@ -1,7 +1,13 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# one compute thread per process, this one and every process the tests start (scripts, their workers): the tests
+# run several processes at once on few cores, and processes of two threads each then spend much of their time
+# waiting for each other's threads (a third of the suite's CPU time was system time before this)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

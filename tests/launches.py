@@ -15,8 +15,10 @@ LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--
 
 def run_together(commands: dict, tmp: Path, timeout: float = 600, **env) -> dict:
     """{name: CompletedProcess} of each command (an argument list) run from the repository root, all at once, with
-    `env` added to the environment. Output goes to files in `tmp`: a full pipe would block a process while another
-    is waited for."""
+    `env` added to the environment. Each process computes on one thread (OMP_NUM_THREADS=1, unless `env` says
+    otherwise): several processes of two threads each on two cores spend their time waiting for each other's
+    threads. Output goes to files in `tmp`: a full pipe would block a process while another is waited for."""
+    env = {"OMP_NUM_THREADS": "1", **env}
     started = {}
     for name, args in commands.items():
         out, err = open(tmp / f"{name}.out", "w"), open(tmp / f"{name}.err", "w")
