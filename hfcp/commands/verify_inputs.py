@@ -1,0 +1,112 @@
+"""What `hfcp verify` builds from its arguments: the model (a checkpoint directory or a model_type's tiny random
+model, causal LM, vision-language model or sequence classifier) and its batch (the user's text, random ids, images)."""
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def is_checkpoint(model: str) -> bool:
+    return Path(model, "config.json").is_file()
+
+
+@functools.lru_cache(maxsize=1)
+def VLM_TYPES():  # noqa: N802 - a constant of the installed transformers
+    """The image-text-to-text model_types of transformers, verified as VLMs (with images): those that are not also
+    causal-LM types, and those that are but whose config has a vision part (Gemma 3, Qwen3.5: a checkpoint of them
+    is the VLM; verified as a text model, the tiny builder would shrink the text part only)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
+
+    def has_vision(model_type: str) -> bool:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return getattr(CONFIG_MAPPING[model_type](), "vision_config", None) is not None
+        except Exception:  # noqa: BLE001 - a config without defaults: verified as a text model, as before
+            return False
+
+    return tuple(t for t in VLM if t not in CAUSAL_LM or has_vision(t))
+
+
+def auto_class(model_type: str, config=None):
+    """The auto class of a checkpoint's config (a sequence classifier when its architectures name one: a reward
+    model), else of the model_type: a vision-language model or a causal LM."""
+    import transformers
+
+    if config is not None and _is_sequence_classifier(config):
+        return transformers.AutoModelForSequenceClassification
+    vlm = model_type in VLM_TYPES()
+    return transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
+
+
+def load_model(model: str, dtype=torch.float32):
+    """A checkpoint directory, or a model_type (a tiny random model of it)."""
+    if is_checkpoint(model):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model)
+        cls = auto_class(config.model_type, config)
+        return cls.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").train()
+    if model in VLM_TYPES():
+        from ..testing.tiny_vlm import tiny_vlm
+
+        return tiny_vlm(model).to(dtype)
+    from ..testing.tiny import tiny_model
+
+    return tiny_model(model).to(dtype)
+
+
+def _is_vlm(model) -> bool:
+    return model.config.model_type in VLM_TYPES() and not _is_sequence_classifier(model.config)
+
+
+def _is_sequence_classifier(config) -> bool:
+    """Whether a checkpoint's config names a sequence-classification class (a reward model, a classifier)."""
+    return any(name.endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or ())
+
+
+def sequence_labels(config) -> torch.Tensor:
+    """(1, ...) labels of a sequence classifier's check, of its problem type (as transformers reads it: regression
+    for one label, single-label classes otherwise, unless config.problem_type says)."""
+    g = torch.Generator().manual_seed(0)
+    n, problem = config.num_labels, config.problem_type
+    if problem == "regression" or (problem is None and n == 1):
+        return torch.randn(1, n, generator=g) if n > 1 else torch.randn(1, generator=g)
+    if problem == "multi_label_classification":
+        return torch.randint(0, 2, (1, n), generator=g).float()
+    return torch.randint(0, n, (1,), generator=g)
+
+
+def make_batch(model, seq_len: int, data: str | None) -> dict:
+    """The inputs of the check: (1, seq_len) token ids (token_ids) as input_ids and labels (a sequence classifier's
+    checkpoint: labels of its problem type, sequence_labels); for a vision-language model, two rows with an image
+    each, built by hand (hfcp.testing.tiny_vlm.image_batch; a checkpoint's ids then come from the tiny vocabulary of
+    placeholders, so a text-only check of its text with --data stays the causal-LM one)."""
+    if _is_vlm(model) and data is None:
+        from ..testing.tiny_vlm import image_batch
+
+        return image_batch(model, seq_len)
+    ids = token_ids(model, seq_len, data)
+    if _is_sequence_classifier(model.config):  # a reward model / classifier: its score at the last token
+        return {"input_ids": ids, "labels": sequence_labels(model.config)}
+    return {"input_ids": ids, "labels": ids}
+
+
+def token_ids(model, seq_len: int, data: str | None) -> torch.Tensor:
+    """(1, seq_len) ids: the start of `data` (a text file, tokenized with the checkpoint's tokenizer), repeated to
+    length, or seeded random ids."""
+    vocab = model.config.get_text_config().vocab_size
+    if data is None:
+        return torch.randint(3, vocab, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    ids = tok(Path(data).read_text(encoding="utf-8"))["input_ids"]
+    if not ids:
+        raise ValueError(f"--data {data}: no tokens")
+    return torch.tensor((ids * (seq_len // len(ids) + 1))[:seq_len])[None]
