@@ -6,6 +6,7 @@ the optional extra `hfcp[trl]`.
 from .trainer import HfcpTrainer, HfcpTrainerMixin
 
 __all__ = ["HfcpTrainer", "HfcpTrainerMixin", "HfcpSFTTrainer"]
+__all__ += ["HfcpRewardTrainer"]  # TRL's RewardTrainer, imported when asked for like HfcpSFTTrainer
 
 
 def __getattr__(name):
@@ -13,4 +14,8 @@ def __getattr__(name):
         from .sft import HfcpSFTTrainer
 
         return HfcpSFTTrainer
+    if name == "HfcpRewardTrainer":
+        from .reward import HfcpRewardTrainer
+
+        return HfcpRewardTrainer
     raise AttributeError(f"module 'hfcp.integrations' has no attribute {name!r}")
