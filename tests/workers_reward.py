@@ -107,12 +107,13 @@ def reward_run(per_device: int, cp_size=None, overrides=None, left_padding=False
                   dataloader_drop_last=False)
         kw.update(overrides or {})
         trainer = cls(model=reward_model(), args=RewardConfig(**kw), processing_class=word_tokenizer(),
-                      train_dataset=preference_rows(12, 0, margin), eval_dataset=preference_rows(6, 1, margin), data_collator=collator, **extra)
+                      train_dataset=preference_rows(12, 0, margin), eval_dataset=preference_rows(6, 1, margin),
+                      data_collator=collator, **extra)
         trainer.train()
         metrics = trainer.evaluate()
     history = [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
-    return {"history": history, "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and k[5:] in METRICS},
-            "last_token_ranks": collator.ranks}
+    evaluated = {k: v for k, v in metrics.items() if k.startswith("eval_") and k[5:] in METRICS}
+    return {"history": history, "eval": evaluated, "last_token_ranks": collator.ranks}
 
 
 def refused_causal_lm() -> str:
