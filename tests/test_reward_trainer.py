@@ -38,6 +38,21 @@ def test_reward_dp2_cp2_equals_one_process(pool4, reward_reference):
         assert_same(got, reward_reference)
 
 
+def test_reward_cp4_equals_one_process(pool4, reward_reference):
+    for got in pool4.run(W.reward_run, 4, 4):
+        assert_same(got, reward_reference)
+
+
+def test_reward_streamed_eval_dp2_cp2_equals_one_process(pool1, pool4):
+    """An evaluation set without a length (a datasets.IterableDataset): one process weighs its last, partial step as
+    a full batch, and so does the gather here (the eval loss is the whole step's on every rank), also without
+    average_tokens_across_devices (which would otherwise mark it so)."""
+    case = (None, {"average_tokens_across_devices": False}, False, False, False, True)
+    ref = pool1.run(W.reward_run, 4, *case)[0]
+    for got in pool4.run(W.reward_run, 2, 2, *case[1:]):
+        assert_same(got, ref)
+
+
 def test_reward_left_padding_accumulation_margin_cp2_equals_one_process(pool1, pool2):
     """Left padding (a collator of one's own), gradient accumulation over 2 micro-batches, a margin column (it
     reaches the loss, never the model's attention)."""

@@ -24,7 +24,7 @@ def reward_model(seed: int = 0):
     return transformers.LlamaForSequenceClassification(cfg).float()
 
 
-def preference_rows(n: int, seed: int, margin: bool = False):
+def preference_rows(n: int, seed: int, margin: bool = False, streamed: bool = False):
     """n tokenized pairs of 5..40 tokens: under cp 2 (zigzag, 4 chunks of the batch's padded length) the last
     token of a row lands on either rank, depending on the row's length."""
     import datasets
@@ -38,6 +38,8 @@ def preference_rows(n: int, seed: int, margin: bool = False):
     if margin:
         for row in rows:
             row["margin"] = float(torch.rand((), generator=g))
+    if streamed:  # a datasets.IterableDataset without a length (one shard)
+        return datasets.IterableDataset.from_generator(lambda: iter(rows))
     return datasets.Dataset.from_list(rows)
 
 
@@ -75,7 +77,8 @@ class LastTokenRanks:
         return batch
 
 
-def reward_run(per_device: int, cp_size=None, overrides=None, left_padding=False, lora=False, margin=False):
+def reward_run(per_device: int, cp_size=None, overrides=None, left_padding=False, lora=False, margin=False,
+               streamed_eval=False):
     """Train 3 steps on 12 pairs (per_device: the batch of each DP group), evaluate on 6 pairs (their last batch
     is partial: at dp 2, accelerate repeats pairs to fill it). cp_size None and one process: the stock
     RewardTrainer (the reference)."""
@@ -107,7 +110,7 @@ def reward_run(per_device: int, cp_size=None, overrides=None, left_padding=False
                   dataloader_drop_last=False)
         kw.update(overrides or {})
         trainer = cls(model=reward_model(), args=RewardConfig(**kw), processing_class=word_tokenizer(),
-                      train_dataset=preference_rows(12, 0, margin), eval_dataset=preference_rows(6, 1, margin),
+                      train_dataset=preference_rows(12, 0, margin), eval_dataset=preference_rows(6, 1, margin, streamed_eval),
                       data_collator=collator, **extra)
         trainer.train()
         metrics = trainer.evaluate()
