@@ -11,7 +11,7 @@ from workers_trainer import _reset_accelerate, word_tokenizer
 
 PAD = 60  # word_tokenizer's <pad>; the documents use ids 0..59 only
 METRICS = ("loss", "grad_norm", "learning_rate", "accuracy", "margin", "min_reward", "mean_reward", "max_reward",
-           "num_tokens")
+           "num_tokens", "num_input_tokens_seen")
 
 
 def reward_model(seed: int = 0):
@@ -107,7 +107,7 @@ def reward_run(per_device: int, cp_size=None, overrides=None, left_padding=False
         kw = dict(output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
                   max_steps=3, learning_rate=3e-3, warmup_steps=1, logging_steps=1, report_to=[], save_strategy="no",
                   seed=0, data_seed=0, bf16=False, use_cpu=True, disable_tqdm=True, center_rewards_coefficient=0.01,
-                  dataloader_drop_last=False)
+                  dataloader_drop_last=False, include_num_input_tokens_seen="non_padding")
         kw.update(overrides or {})
         trainer = cls(model=reward_model(), args=RewardConfig(**kw), processing_class=word_tokenizer(),
                       train_dataset=preference_rows(12, 0, margin), eval_dataset=preference_rows(6, 1, margin, streamed_eval),
