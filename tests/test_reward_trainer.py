@@ -63,9 +63,11 @@ def test_reward_left_padding_accumulation_margin_cp2_equals_one_process(pool1, p
 
 
 def test_reward_lora_cp2_equals_one_process(pool1, pool2):
-    """PEFT LoRA (task_type SEQ_CLS: the score head trained in full) given to the trainer as peft_config."""
-    ref = pool1.run(W.reward_run, 4, None, None, False, True)[0]
-    for got in pool2.run(W.reward_run, 4, None, None, False, True):
+    """PEFT LoRA (task_type SEQ_CLS: the score head trained in full) given to the trainer as peft_config, with
+    gradient checkpointing (the decoder layers recomputed in backward)."""
+    case = (4, None, {"gradient_checkpointing": True}, False, True)
+    ref = pool1.run(W.reward_run, *case)[0]
+    for got in pool2.run(W.reward_run, *case):
         assert_same(got, ref)
 
 
