@@ -60,7 +60,7 @@ class HfcpRewardTrainer(HfcpTrainerMixin, RewardTrainer):
             return super(HfcpTrainerMixin, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
         mode = "train" if self.model.training else "eval"
         margin = inputs.get("margin")
-        outputs = model(**{k: v for k, v in inputs.items() if k != "margin"}, use_cache=False)
+        outputs = model(**{**{k: v for k, v in inputs.items() if k != "margin"}, "use_cache": False})
         chosen, rejected = torch.chunk(outputs.logits.squeeze(-1), chunks=2)  # (B,) each, whole on every rank
         kept = self._pairs_of_the_dataset(chosen.shape[0]) if mode == "eval" else None
         loss = self._pairwise_loss(chosen, rejected, margin, kept)
@@ -95,14 +95,16 @@ class HfcpRewardTrainer(HfcpTrainerMixin, RewardTrainer):
         return (torch.arange(dp_rank * pairs, (dp_rank + 1) * pairs, device=device) < remainder).float()
 
     def _sum_over_dp_groups(self, x: torch.Tensor) -> torch.Tensor:
-        """Summed over the DP groups (every rank of a CP group holds the same x): the same on every rank."""
-        return self.accelerator.reduce(x.to(self.args.device), "sum") / self._hfcp_batch_sharers
+        """Summed over the DP groups (every rank of a CP group holds the same x): the same on every rank (an integer
+        tensor stays exact)."""
+        total = self.accelerator.reduce(x.to(self.args.device), "sum")
+        sharers = self._hfcp_batch_sharers
+        return total / sharers if total.is_floating_point() else total // sharers
 
     def _log_reward_metrics(self, mode: str, inputs, chosen, rejected, kept) -> None:
         """RewardTrainer's metrics over the pairs of all DP groups (kept pairs only in evaluation), each group once."""
         if mode == "train":
-            tokens = self._sum_over_dp_groups(inputs["attention_mask"].sum().float())
-            self._total_train_tokens += int(tokens.round().item())
+            self._total_train_tokens += int(self._sum_over_dp_groups(inputs["attention_mask"].sum()).item())
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
         if kept is None:
             kept = torch.ones_like(chosen)
