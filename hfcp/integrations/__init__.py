@@ -1,11 +1,11 @@
 """Adapters to the training stacks people use. They call the engine; the engine never imports them.
 
-`HfcpTrainer` (transformers.Trainer) is imported here; `HfcpSFTTrainer` (TRL) only when asked for, since trl is
-the optional extra `hfcp[trl]`.
+`HfcpTrainer` (transformers.Trainer) is imported here; `HfcpSFTTrainer` and `HfcpGRPOTrainer` (TRL) only when asked
+for, since trl is the optional extra `hfcp[trl]`.
 """
 from .trainer import HfcpTrainer, HfcpTrainerMixin
 
-__all__ = ["HfcpTrainer", "HfcpTrainerMixin", "HfcpSFTTrainer"]
+__all__ = ["HfcpTrainer", "HfcpTrainerMixin", "HfcpSFTTrainer", "HfcpGRPOTrainer"]
 
 
 def __getattr__(name):
@@ -13,4 +13,8 @@ def __getattr__(name):
         from .sft import HfcpSFTTrainer
 
         return HfcpSFTTrainer
+    if name == "HfcpGRPOTrainer":
+        from .grpo import HfcpGRPOTrainer
+
+        return HfcpGRPOTrainer
     raise AttributeError(f"module 'hfcp.integrations' has no attribute {name!r}")
