@@ -41,7 +41,7 @@ def test_grpo_cp2_equals_one_process(pool2, grpo_reference):
 
 _STEP = {"max_steps": 2, "gradient_checkpointing": False, "epsilon": 0.05}
 LOSS_CASES = [  # each loss type TRL offers, with the options that change what it normalises over
-    {"overrides": {**_STEP, "loss_type": "grpo", "num_iterations": 2, "beta": 0.1}, "reference": True},
+    {"overrides": {**_STEP, "loss_type": "grpo", "num_iterations": 2, "beta": 0.1, "max_steps": 3}, "reference": True},
     {"overrides": {**_STEP, "loss_type": "bnpo", "importance_sampling_level": "sequence",
                    "mask_truncated_completions": True}},
     {"overrides": {**_STEP, "loss_type": "dr_grpo", "gradient_accumulation_steps": 2, "scale_rewards": "batch"}},
@@ -56,8 +56,9 @@ LOSS_CASES = [  # each loss type TRL offers, with the options that change what i
 
 
 def test_grpo_loss_types_cp2_equal_one_process(pool1, pool2):
-    """Table-driven, one worker call per side: grpo with beta > 0 (TRL's reference model, patched alike) and a second
-    iteration over the same completions (old-policy log-probs, clipping), bnpo with sequence-level importance
+    """Table-driven, one worker call per side: grpo with beta > 0 (TRL's reference model, patched alike) and two
+    iterations over each generation (old-policy log-probs, clipping; the second generation's prompts are the next
+    group's only if the generation batch is taken per DP group), bnpo with sequence-level importance
     sampling, dr_grpo with gradient accumulation, dapo over the high-entropy tokens, cispo, sapo, luspo, vespo."""
     refs = pool1.run(W.grpo_table, 8, False, LOSS_CASES)[0]
     assert refs[0]["reference"] == "unpatched" and refs[0]["history"][1]["kl"] > 0, refs[0]["history"]
