@@ -23,20 +23,23 @@ def assert_same_run(got, ref, tol=2e-5, what=""):
 
 @pytest.fixture(scope="module")
 def grpo_reference(pool1):
-    return pool1.run(W.grpo_run, 8, False)[0]
+    return pool1.run(W.grpo_run, 8, False, None, None, False, False, True)[0]
 
 
 def test_grpo_cp2_equals_one_process(pool2, grpo_reference):
-    """Left-padded prompts of 3 to 11 words, completions stopped at eos or 8 tokens, gradient checkpointing (GRPOConfig's
-    default), 3 steps of one generation each: both ranks draw what one process draws, and log what it logs."""
+    """Left-padded prompts of 3 to 11 words, completions stopped at eos or 8 tokens, gradient checkpointing
+    (GRPOConfig's default), 3 steps of one generation each, then an evaluation (generation and loss on 12 other prompts): both
+    ranks draw what one process draws, and log what it logs."""
     logged = grpo_reference["history"][0].keys()
     assert {"loss", "grad_norm", "reward", "reward_std", "entropy", "num_tokens", "completions/mean_length",
             "clip_ratio/region_mean"} <= logged, logged
-    got = pool2.run(W.grpo_run, 8, True)
+    assert {"eval_loss", "eval_reward", "eval_entropy"} <= grpo_reference["history"][-1].keys(), grpo_reference
+    got = pool2.run(W.grpo_run, 8, True, None, None, False, False, True)
     for g in got:
         assert_same_run(g, grpo_reference)
     # the rewards are computed once per CP group, by its first rank
     assert [g["reward_calls"] for g in got] == [grpo_reference["reward_calls"], 0], got
+    assert len(grpo_reference["completions"]) == 3 + 6  # 3 training steps, 6 evaluation batches
 
 
 _STEP = {"max_steps": 2, "gradient_checkpointing": False, "epsilon": 0.05}
@@ -79,8 +82,9 @@ def test_grpo_lora_with_kl_cp2_equals_one_process(pool1, pool2):
 
 
 def test_grpo_dp2_cp2_equals_two_processes(pool2, pool4):
-    """dp 2 x cp 2 against TRL's GRPOTrainer in two processes (dp 2): DP group d draws what process d draws."""
-    case = [{"overrides": {"max_steps": 2, "gradient_checkpointing": False}}]
+    """dp 2 x cp 2 against TRL's GRPOTrainer in two processes (dp 2): DP group d draws what process d draws, in
+    training and in an evaluation."""
+    case = [{"overrides": {"max_steps": 2, "gradient_checkpointing": False}, "evaluate": True}]
     refs = [r[0] for r in pool2.run(W.grpo_table, 4, False, case)]
     for rank, got in enumerate(pool4.run(W.grpo_table, 4, True, case, 2)):
         assert_same_run(got[0], refs[rank // 2], what=f"rank {rank}")

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from workers_trainer import _reset_accelerate, word_tokenizer
 
 # what the Trainer logs per step that depends on the clock, not on the run
-_TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+_TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "eval_runtime",
+           "eval_samples_per_second", "eval_steps_per_second")
 
 
 def tiny_llama(seed: int = 0):
@@ -52,17 +53,19 @@ def key_repeated(prompts, completions, **kwargs):
 def grpo_args(out: str, per_device: int, **overrides):
     from trl import GRPOConfig
 
-    kw = dict(output_dir=out, per_device_train_batch_size=per_device, num_generations=4, max_completion_length=8,
+    kw = dict(output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
+              num_generations=4, max_completion_length=8,
               max_steps=3, learning_rate=5e-2, logging_steps=1, report_to=[], save_strategy="no", seed=0,
               bf16=False, use_cpu=True, disable_tqdm=True, temperature=1.0)
     kw.update(overrides)
     return GRPOConfig(**kw)
 
 
-def grpo_run(per_device: int, hfcp: bool, cp_size=None, overrides=None, lora=False, reference=False):
+def grpo_run(per_device: int, hfcp: bool, cp_size=None, overrides=None, lora=False, reference=False, evaluate=False):
     """Train GRPO steps (3 unless overrides say otherwise); per_device is the batch of each DP group (1 process: the
     global batch). hfcp False: TRL's GRPOTrainer (the reference, one process). reference: the model given as one
-    loaded from a directory, from which TRL loads its reference model (beta > 0 without LoRA)."""
+    loaded from a directory, from which TRL loads its reference model (beta > 0 without LoRA). evaluate: then
+    evaluate on 12 other prompts (48 completions)."""
     from trl import GRPOTrainer
 
     from hfcp import cp_state
@@ -94,7 +97,8 @@ def grpo_run(per_device: int, hfcp: bool, cp_size=None, overrides=None, lora=Fal
         # the widest sequence the embeddings saw: under CP each rank embeds its shard only
         model.get_input_embeddings().register_forward_hook(lambda m, args, y: widths.append(args[0].shape[-1]))
         trainer = cls(model=model, reward_funcs=key_repeated, args=grpo_args(out, per_device, **(overrides or {})),
-                      train_dataset=prompts(32), processing_class=word_tokenizer(), **kw)
+                      train_dataset=prompts(32), eval_dataset=prompts(12, 1) if evaluate else None,
+                      processing_class=word_tokenizer(), **kw)
         generate = trainer._generate_and_score_completions
 
         def record(inputs):
@@ -104,6 +108,8 @@ def grpo_run(per_device: int, hfcp: bool, cp_size=None, overrides=None, lora=Fal
 
         trainer._generate_and_score_completions = record
         trainer.train()
+        if evaluate:
+            trainer.evaluate()
     history = [{k: v for k, v in h.items() if k not in _TIMING} for h in trainer.state.log_history]
     ref_model = getattr(trainer, "ref_model", None)
     return {"history": history, "completions": drawn, "widest": max(widths), "reward_calls": REWARD_CALLS[0],
@@ -111,15 +117,17 @@ def grpo_run(per_device: int, hfcp: bool, cp_size=None, overrides=None, lora=Fal
 
 
 def grpo_table(per_device: int, hfcp: bool, cases: list[dict], cp_size=None):
-    """grpo_run of each case ({"overrides": {...}, "lora": ..., "reference": ...}) in one call."""
-    return [grpo_run(per_device, hfcp, cp_size, c.get("overrides"), c.get("lora", False), c.get("reference", False))
+    """grpo_run of each case ({"overrides": {...}, "lora": ..., "reference": ..., "evaluate": ...}) in one call."""
+    return [grpo_run(per_device, hfcp, cp_size, c.get("overrides"), c.get("lora", False), c.get("reference", False),
+                     c.get("evaluate", False))
             for c in cases]
 
 
 REFUSED = {  # GRPOConfig overrides HfcpGRPOTrainer refuses, with a word its message must hold
     "vllm": ({"use_vllm": True}, "use_vllm"),
     "entropy bonus": ({"entropy_coef": 0.01}, "entropy_coef"),
-    "evaluation": ({"eval_strategy": "steps", "eval_steps": 1}, "eval_strategy"),
+    "eval groups": ({"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 2},
+                    "per_device_eval_batch_size"),  # GRPOConfig counts 2 x 2 processes, whole groups of 4
     "fp32 head": ({"cast_lm_head_to_fp32": True}, "cast_lm_head_to_fp32"),
     "find unused": ({"ddp_find_unused_parameters": True}, "ddp_find_unused_parameters"),
     "split groups": ({"per_device_train_batch_size": 2}, "num_generations"),  # 2 per DP group, groups of 4

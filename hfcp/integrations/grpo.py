@@ -34,7 +34,8 @@ from .completion_logps import completion_logps
 from .dp_view import data_parallel_view, gathers_kept_local
 from .trainer import UNSET, HfcpTrainerMixin
 
-LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")  # verified against GRPOTrainer in one process
+# every loss type of TRL 1.16, each verified against GRPOTrainer in one process (tests/test_grpo_trainer.py)
+LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 _TRL_MODULE = GRPOTrainer.__module__  # where GRPOTrainer's gather / gather_object are looked up
 
 
@@ -62,8 +63,6 @@ def settings_problems(args, given: dict) -> list[str]:
     if args.entropy_coef or args.use_adaptive_entropy:
         problems.append(f"entropy_coef={args.entropy_coef} / use_adaptive_entropy={args.use_adaptive_entropy} (the "
                         "entropy bonus needs the entropy's gradient; hfcp computes the entropy as a metric, without one)")
-    if args.eval_strategy != "no":
-        problems.append(f"eval_strategy={args.eval_strategy!r} (GRPO evaluation is not verified under CP yet)")
     if args.ddp_find_unused_parameters:
         problems.append("ddp_find_unused_parameters=True (DDP would mark the output head unused when the forward "
                         "returns: hfcp runs the head after it, chunk by chunk; leave it unset)")
@@ -87,13 +86,19 @@ def data_parallel_groups(model, args, cp_size) -> int:
 
 def generation_batch_per_dp_group(args, dp: int) -> None:
     """GRPOConfig sizes the generation batch by the number of processes; the ranks of a CP group share one batch, so
-    it is per_device_train_batch_size x DP groups x steps_per_generation (steps_per_generation kept)."""
+    it is per_device_train_batch_size x DP groups x steps_per_generation (steps_per_generation kept). The evaluation
+    batch (per_device_eval_batch_size x DP groups) is checked to hold whole groups as GRPOConfig checks it."""
     args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
     if args.generation_batch_size % args.num_generations:
         raise ValueError(f"the generation batch of {args.per_device_train_batch_size} (per_device_train_batch_size) x "
                          f"{dp} (DP groups) x {args.steps_per_generation} (steps_per_generation) = "
                          f"{args.generation_batch_size} is not a multiple of num_generations={args.num_generations}: "
                          "under CP each DP group (not each process) takes a per-device batch")
+    generations = args.num_generations_eval or args.num_generations
+    if args.do_eval and args.eval_strategy != "no" and (args.per_device_eval_batch_size * dp) % generations:
+        raise ValueError(f"the evaluation batch of {args.per_device_eval_batch_size} (per_device_eval_batch_size) x "
+                         f"{dp} (DP groups) is not a multiple of the {generations} generations per prompt: under CP "
+                         "each DP group (not each process) takes a per-device batch")
 
 
 class HfcpGRPOTrainer(HfcpTrainerMixin, GRPOTrainer):
@@ -103,13 +108,14 @@ class HfcpGRPOTrainer(HfcpTrainerMixin, GRPOTrainer):
     Args:
         cp_size, strategy, loss_chunk, timeout, check_inputs: as for HfcpTrainer (passed to `hfcp.patch`; the
             reference model, when TRL makes one, is patched alike).
-    Logged per step as by GRPOTrainer (completion lengths, rewards, entropy, kl, clip ratios, ...), each DP group
-    counted once.
+    Logged per step as by GRPOTrainer (completion lengths, rewards, entropy, kl, clip ratios, ...), and by
+    evaluate(), each DP group counted once.
     Raises:
         ValueError: what HfcpTrainer refuses; use_vllm, continuous batching, tools / environments / rollout_func, a
             vision-language model, a loss_type other than grpo, dapo, bnpo and dr_grpo, cast_lm_head_to_fp32, liger
-            kernels, the entropy bonus, evaluation, DeepSpeed / FSDP, the MoE router auxiliary loss, a reward model
-            patched by hfcp, and a generation batch that does not hold whole groups of num_generations.
+            kernels, the entropy bonus, DeepSpeed / FSDP, the MoE router auxiliary loss, a reward model
+            patched by hfcp, ddp_find_unused_parameters=True, and a generation or evaluation batch that does not hold
+            whole groups of completions.
     """
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *more, cp_size=UNSET,
