@@ -73,11 +73,13 @@ def test_grpo_loss_types_cp2_equal_one_process(pool1, pool2):
 
 
 def test_grpo_lora_with_kl_cp2_equals_one_process(pool1, pool2):
-    """LoRA with beta > 0: the reference log-probs come from the policy with its adapter disabled."""
-    case = [{"overrides": {**_STEP, "beta": 0.2, "num_iterations": 2}, "lora": True}]
+    """LoRA with beta > 0 (the reference log-probs come from the policy with its adapter disabled), under the
+    allgather strategy (prefill, training forwards and backward)."""
+    case = [{"overrides": {**_STEP, "beta": 0.2, "num_iterations": 2}, "lora": True, "strategy": "allgather"}]
     ref = pool1.run(W.grpo_table, 8, False, case)[0][0]
     assert ref["history"][1]["kl"] > 0, ref["history"]
     for rank in pool2.run(W.grpo_table, 8, True, case):
+        assert rank[0]["strategy"] == "allgather"
         assert_same_run(rank[0], ref)
 
 

@@ -61,11 +61,12 @@ def grpo_args(out: str, per_device: int, **overrides):
     return GRPOConfig(**kw)
 
 
-def grpo_run(per_device: int, hfcp: bool, cp_size=None, overrides=None, lora=False, reference=False, evaluate=False):
+def grpo_run(per_device: int, hfcp: bool, cp_size=None, overrides=None, lora=False, reference=False, evaluate=False,
+             strategy="ring"):
     """Train GRPO steps (3 unless overrides say otherwise); per_device is the batch of each DP group (1 process: the
     global batch). hfcp False: TRL's GRPOTrainer (the reference, one process). reference: the model given as one
     loaded from a directory, from which TRL loads its reference model (beta > 0 without LoRA). evaluate: then
-    evaluate on 12 other prompts (48 completions)."""
+    evaluate on 12 other prompts (48 completions). strategy: HfcpGRPOTrainer's."""
     from trl import GRPOTrainer
 
     from hfcp import cp_state
@@ -80,7 +81,7 @@ def grpo_run(per_device: int, hfcp: bool, cp_size=None, overrides=None, lora=Fal
     if hfcp:
         from hfcp.integrations import HfcpGRPOTrainer as cls
 
-        kw["cp_size"] = cp_size
+        kw.update(cp_size=cp_size, strategy=strategy)
     else:
         cls = GRPOTrainer
     drawn, widths = [], []
@@ -111,15 +112,17 @@ def grpo_run(per_device: int, hfcp: bool, cp_size=None, overrides=None, lora=Fal
         if evaluate:
             trainer.evaluate()
     history = [{k: v for k, v in h.items() if k not in _TIMING} for h in trainer.state.log_history]
-    ref_model = getattr(trainer, "ref_model", None)
+    ref_model, state = getattr(trainer, "ref_model", None), cp_state(trainer.model)
     return {"history": history, "completions": drawn, "widest": max(widths), "reward_calls": REWARD_CALLS[0],
-            "reference": None if ref_model is None else ("patched" if cp_state(ref_model) else "unpatched")}
+            "reference": None if ref_model is None else ("patched" if cp_state(ref_model) else "unpatched"),
+            "strategy": state.settings.strategy if state is not None else None}
 
 
 def grpo_table(per_device: int, hfcp: bool, cases: list[dict], cp_size=None):
-    """grpo_run of each case ({"overrides": {...}, "lora": ..., "reference": ..., "evaluate": ...}) in one call."""
+    """grpo_run of each case ({"overrides": {...}, "lora": ..., "reference": ..., "evaluate": ..., "strategy": ...})
+    in one call."""
     return [grpo_run(per_device, hfcp, cp_size, c.get("overrides"), c.get("lora", False), c.get("reference", False),
-                     c.get("evaluate", False))
+                     c.get("evaluate", False), c.get("strategy", "ring"))
             for c in cases]
 
 

@@ -112,8 +112,8 @@ class HfcpGRPOTrainer(HfcpTrainerMixin, GRPOTrainer):
     evaluate(), each DP group counted once.
     Raises:
         ValueError: what HfcpTrainer refuses; use_vllm, continuous batching, tools / environments / rollout_func, a
-            vision-language model, a loss_type other than grpo, dapo, bnpo and dr_grpo, cast_lm_head_to_fp32, liger
-            kernels, the entropy bonus, DeepSpeed / FSDP, the MoE router auxiliary loss, a reward model
+            vision-language model, a loss_type not in LOSS_TYPES (a newer TRL's, not verified), cast_lm_head_to_fp32,
+            liger kernels, the entropy bonus, DeepSpeed / FSDP, the MoE router auxiliary loss, a reward model
             patched by hfcp, ddp_find_unused_parameters=True, and a generation or evaluation batch that does not hold
             whole groups of completions.
     """
