@@ -42,6 +42,15 @@ def test_grpo_cp2_equals_one_process(pool2, grpo_reference):
     assert len(grpo_reference["completions"]) == 3 + 6  # 3 training steps, 6 evaluation batches
 
 
+def test_grpo_cp4_equals_one_process(pool4, grpo_reference):
+    """The same run at cp 4 (dp 1): every rank holds a quarter of each sequence and draws what one process draws."""
+    got = pool4.run(W.grpo_run, 8, True, None, None, False, False, True)
+    for g in got:
+        assert_same_run(g, grpo_reference)
+    assert got[0]["widest"] < grpo_reference["widest"] / 2, (got[0]["widest"], grpo_reference["widest"])
+    assert [g["reward_calls"] for g in got] == [grpo_reference["reward_calls"], 0, 0, 0], got
+
+
 _STEP = {"max_steps": 2, "gradient_checkpointing": False, "epsilon": 0.05}
 LOSS_CASES = [  # each loss type TRL offers, with the options that change what it normalises over
     {"overrides": {**_STEP, "loss_type": "grpo", "num_iterations": 2, "beta": 0.1, "max_steps": 3}, "reference": True},
