@@ -1,21 +1,19 @@
 """Adapters to the training stacks people use. They call the engine; the engine never imports them.
 
-`HfcpTrainer` (transformers.Trainer) is imported here; `HfcpSFTTrainer` (TRL) only when asked for, since trl is
-the optional extra `hfcp[trl]`.
+`HfcpTrainer` (transformers.Trainer) is imported here; the TRL trainers only when asked for, since trl is the
+optional extra `hfcp[trl]`.
 """
+import importlib
+
 from .trainer import HfcpTrainer, HfcpTrainerMixin
 
-__all__ = ["HfcpTrainer", "HfcpTrainerMixin", "HfcpSFTTrainer"]
-__all__ += ["HfcpRewardTrainer"]  # TRL's RewardTrainer, imported when asked for like HfcpSFTTrainer
+# the TRL trainers: {name: the module of this package that defines it}
+_TRL_TRAINERS = {"HfcpSFTTrainer": "sft", "HfcpRewardTrainer": "reward", "HfcpGRPOTrainer": "grpo"}
+
+__all__ = ["HfcpTrainer", "HfcpTrainerMixin", *_TRL_TRAINERS]
 
 
 def __getattr__(name):
-    if name == "HfcpSFTTrainer":
-        from .sft import HfcpSFTTrainer
-
-        return HfcpSFTTrainer
-    if name == "HfcpRewardTrainer":
-        from .reward import HfcpRewardTrainer
-
-        return HfcpRewardTrainer
+    if name in _TRL_TRAINERS:
+        return getattr(importlib.import_module(f".{_TRL_TRAINERS[name]}", __name__), name)
     raise AttributeError(f"module 'hfcp.integrations' has no attribute {name!r}")
