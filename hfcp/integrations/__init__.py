@@ -5,7 +5,7 @@ the optional extra `hfcp[trl]`.
 """
 from .trainer import HfcpTrainer, HfcpTrainerMixin
 
-__all__ = ["HfcpTrainer", "HfcpTrainerMixin", "HfcpSFTTrainer"]
+__all__ = ["HfcpTrainer", "HfcpTrainerMixin", "HfcpSFTTrainer", "HfcpDPOTrainer"]
 
 
 def __getattr__(name):
@@ -13,4 +13,8 @@ def __getattr__(name):
         from .sft import HfcpSFTTrainer
 
         return HfcpSFTTrainer
+    if name == "HfcpDPOTrainer":
+        from .dpo import HfcpDPOTrainer
+
+        return HfcpDPOTrainer
     raise AttributeError(f"module 'hfcp.integrations' has no attribute {name!r}")
