@@ -86,8 +86,10 @@ def cp_fused_outputs(model, labels: torch.Tensor, temperature: float = 1.0, chun
     field (batch, seq - 1) whole and identical on every rank of the CP group, log_probs differentiable (the gradient
     follows hfcp's convention: averaged over the CP group it is the single-device one), the others without gradient.
 
+    On an unpatched model the same computation runs on the whole sequence (the single-device values).
+
     Args:
-        model: the patched causal LM (its PreTrainedModel, whose forward is the hooked one).
+        model: the causal LM, patched or not (its PreTrainedModel, whose forward is the hooked one when patched).
         labels: (B, L) targets as the model's loss takes them (shifted here over the whole sequence), -100: none.
         temperature: the logits (after the model's own transform) are divided by it.
         **kwargs: the model's inputs (input_ids, attention_mask, ...).
@@ -97,14 +99,14 @@ def cp_fused_outputs(model, labels: torch.Tensor, temperature: float = 1.0, chun
     inner = find_pretrained(model)
     state = cp_state(inner)
     head, transform = _head_and_transform(inner, state)
-    if state.check_inputs:  # the hook checks the model's inputs; the labels are ours
+    if state is not None and state.check_inputs:  # the hook checks the model's inputs; the labels are ours
         check_same_batch({"fused head labels": labels}, state.mesh.cp_group, ("fused head labels",))
     input_ids = kwargs.get("input_ids")
     x = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
     # counted as TRL counts them: labels != -100 (padding is -100 in every TRL collator)
     targets = _targets(inner, x, labels, None, None)  # (B, L), shifted
     hidden, output = _last_hidden_states(inner, head, {k: v for k, v in kwargs.items() if v is not None})
-    local = state.step.local(targets, fill=IGNORE_INDEX).to(hidden.device)  # (B, L_local)
+    local = (targets if state is None else state.step.local(targets, fill=IGNORE_INDEX)).to(hidden.device)  # (B, n)
     B, n = local.shape
     flat_h, flat_t = hidden.reshape(B * n, -1), local.reshape(-1)
     transform = with_temperature(transform, float(temperature))
