@@ -1,5 +1,6 @@
 """HfcpDPOTrainer (TRL): 1 process (stock DPOTrainer, its fused LM head) vs cp 2 and dp 2 x cp 2."""
 import pytest
+import torch
 
 import workers_dpo as W
 
@@ -44,11 +45,16 @@ def test_dpo_dp2_cp2_equals_one_process(pool4, dpo_reference):
 
 
 def test_dpo_lora_left_padding_cp2_equals_one_process(pool1, pool2):
-    """LoRA: the reference is the policy with its adapter disabled; rows padded on the left."""
-    ref = pool1.run(W.dpo_run, 2, None, "lora", None, True)[0]
-    for got in pool2.run(W.dpo_run, 2, 2, "lora", None, True):
+    """LoRA: the reference is the policy with its adapter disabled; rows padded on the left; DPOConfig's default
+    gradient checkpointing; trainer.predict's logits (whole sequences, made whole from each rank's)."""
+    checkpointing = {"gradient_checkpointing": True}
+    ref = pool1.run(W.dpo_run, 2, None, "lora", checkpointing, True, True)[0]
+    for got in pool2.run(W.dpo_run, 2, 2, "lora", checkpointing, True, True):
         assert got["patched"] == (True, None), got["patched"]
         assert_same(got, ref)
+        (logits, labels), (ref_logits, ref_labels) = got["predictions"], ref["predictions"]
+        assert torch.equal(labels, ref_labels) and logits.shape == ref_logits.shape, (logits.shape, ref_logits.shape)
+        assert float((logits - ref_logits).abs().max()) < 1e-4
 
 
 def test_dpo_precomputed_reference_gradient_accumulation_cp2_equals_one_process(pool1, pool2):

@@ -90,14 +90,17 @@ def _patched(trainer) -> tuple[bool, bool]:
     return patched(trainer.model), None if trainer.ref_model is None else patched(trainer.ref_model)
 
 
-def dpo_run(per_device: int, cp_size=None, reference="model", overrides=None, left_padding=False):
-    """Train 3 steps and evaluate: the logged metrics of each step and the eval metrics."""
+def dpo_run(per_device: int, cp_size=None, reference="model", overrides=None, left_padding=False, predict=False):
+    """Train 3 steps and evaluate: the logged metrics of each step and the eval metrics; predict: also the logits
+    and labels trainer.predict returns on the eval pairs."""
     with tempfile.TemporaryDirectory() as out:
         trainer = _trainer(out, per_device, cp_size, reference, overrides or {}, left_padding)
         trainer.train()
         metrics = trainer.evaluate()
+        pred = trainer.predict(trainer.eval_dataset) if predict else None
     history = [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
-    return {"history": history, "patched": _patched(trainer), "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and
+    return {"history": history, "patched": _patched(trainer),
+            "predictions": None if pred is None else (torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids)), "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and
                                          k.split("_", 1)[1] in METRICS}}
 
 
