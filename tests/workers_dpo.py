@@ -75,8 +75,8 @@ def _trainer(out, per_device, cp_size, reference: str, overrides: dict, left_pad
                                           init_lora_weights=False)
     if left_padding:
         extra["data_collator"] = LeftPadding(tok.pad_token_id)
-    return HfcpDPOTrainer(model=tiny_model("llama", initializer_range=0.2), args=_config(out, per_device, **overrides), processing_class=tok,
-                          train_dataset=preference_rows(8, 0), eval_dataset=preference_rows(4, 1),
+    return HfcpDPOTrainer(model=tiny_model("llama", initializer_range=0.2), args=_config(out, per_device, **overrides),
+                          processing_class=tok, train_dataset=preference_rows(8, 0), eval_dataset=preference_rows(4, 1),
                           cp_size=cp_size, **extra)
 
 
@@ -100,8 +100,8 @@ def dpo_run(per_device: int, cp_size=None, reference="model", overrides=None, le
         pred = trainer.predict(trainer.eval_dataset) if predict else None
     history = [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
     return {"history": history, "patched": _patched(trainer),
-            "predictions": None if pred is None else (torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids)), "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and
-                                         k.split("_", 1)[1] in METRICS}}
+            "predictions": None if pred is None else (torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids)),
+            "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and k.split("_", 1)[1] in METRICS}}
 
 
 # every loss type DPOTrainer offers, and the options that change what it computes from the log-probs
@@ -139,7 +139,8 @@ def loss_table(cp_size=None):
             loss = trainer.compute_loss(trainer.model, batch)
             loss.backward()
             hfcp.average_gradients(trainer.model)
-            norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trainer.model.parameters() if p.grad is not None))
+            grads = [p.grad.double() for p in trainer.model.parameters() if p.grad is not None]
+            norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
             metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
             results.append({"loss": float(loss), "grad_norm": float(norm), **metrics})
     return results

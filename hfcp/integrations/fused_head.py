@@ -37,8 +37,9 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
     lss = torch.logsumexp(2 * logp, dim=-1)
     top1 = logits.argmax(-1) == targets  # the first maximum, as TRL's kernel decides a tie
     zero = logits.new_zeros(())
-    return (torch.where(valid, picked, zero), torch.where(valid, entropy, zero), torch.where(valid, logits.mean(-1), zero),
-            top1 & valid, torch.where(valid, lss, zero))
+    kept = (torch.where(valid, v, zero) for v in (picked, entropy, logits.mean(-1), lss))
+    picked, entropy, mean, lss = kept
+    return picked, entropy, mean, top1 & valid, lss
 
 
 class LinearTargetLogpsWithStats(torch.autograd.Function):
