@@ -1,18 +1,20 @@
 """Peak memory per rank of one DPO step on a pair of long documents: stock trl.DPOTrainer in one process vs
 HfcpDPOTrainer at cp 2 (CPU).
 
-    python scripts/bench_dpo.py                          # L = 8192 and 16384 tokens per row, cp 1 and 2
-    python scripts/bench_dpo.py --lengths 2048 --quick   # a smoke run
+    python scripts/bench_dpo.py                          # L = 8192 and 16384 tokens per row
+    python scripts/bench_dpo.py --lengths 8192 --layers 2
+    python scripts/bench_dpo.py --quick                  # L = 2048
 
-The model is Llama-shaped and small (4 layers by default, hidden 256) with a real-size vocabulary (32,000 tokens), so the
-output head weighs as it does in practice; fp32, full fine-tuning, an explicit reference model, TRL's default
-gradient checkpointing. The batch is one preference pair, chosen and rejected each `L` tokens (a prompt of L/4,
-a completion of 3L/4). The step is what DPOTrainer.training_step computes: the loss (the policy's forward over both
-rows, the reference's without gradient) and its backward; measured as the growth of resident memory over the model
-(scripts/bench_step.PeakRSS), the worst rank. One process runs twice: stock DPOTrainer (TRL's fused head, whose
-CPU fallback scores 4096 tokens x the vocabulary at a time) and DPOTrainer with hfcp's fused head (1024 tokens at a
+The model is Llama-shaped and small (4 layers by default, hidden 256) with a real-size vocabulary (32,000 tokens by
+default), so the output head weighs as it does in practice; fp32, full fine-tuning, TRL's default gradient
+checkpointing, an explicit reference model that differs from the policy (so the loss is not log 2, and must agree
+across the runs). The batch is one preference pair, chosen and rejected each `L` tokens (a prompt of L/4, a
+completion of 3L/4). The step is what DPOTrainer.training_step computes: the loss (the policy's forward over both
+rows, the reference's without gradient) and its backward; measured as the growth of resident memory over the models
+(scripts/bench_step.PeakRSS), the worst rank. One process runs twice: stock DPOTrainer (TRL's fused head, whose CPU
+fallback scores 4096 tokens x the vocabulary at a time) and DPOTrainer with hfcp's fused head (1024 tokens at a
 time: what CP itself saves is the ratio to this one). cp 1 runs with as many threads as cp 2 has processes. Prints
-a markdown table and writes runs/bench/bench_dpo.json.
+a markdown table and writes runs/bench/bench_dpo.json (--json).
 """
 from __future__ import annotations
 
@@ -26,26 +28,27 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-VOCAB = 32000
 
 
-def _tokenizer():
+def _tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(VOCAB - 3)} | {"<pad>": VOCAB - 3, "<eos>": VOCAB - 2, "<unk>": VOCAB - 1}
+    V = vocab_size
+    vocab = {f"w{i}": i for i in range(V - 3)} | {"<pad>": V - 3, "<eos>": V - 2, "<unk>": V - 1}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def _model(seq_len: int, layers: int):
+def _model(seq_len: int, layers: int, vocab_size: int, seed: int):
     import torch
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=688,
+                                   num_hidden_layers=layers,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=seq_len)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -66,15 +69,17 @@ def worker(args) -> None:
         dist.init_process_group("gloo")
     L, prompt = args.seq_len, args.seq_len // 4
     g = torch.Generator().manual_seed(1)
-    ids = lambda n: torch.randint(0, VOCAB - 3, (n,), generator=g).tolist()  # noqa: E731
+    ids = lambda n: torch.randint(0, args.vocab - 3, (n,), generator=g).tolist()  # noqa: E731
     pair = {"prompt_ids": ids(prompt), "chosen_ids": ids(L - prompt), "rejected_ids": ids(L - prompt)}
-    tok = _tokenizer()
+    tok = _tokenizer(args.vocab)
     batch = DataCollatorForPreference(pad_token_id=tok.pad_token_id)([pair])  # (2, L): chosen, rejected
     data = datasets.Dataset.from_list([{"prompt": "w1 w2", "chosen": " w3", "rejected": " w4"}])  # (unused rows)
     with tempfile.TemporaryDirectory() as out:
         config = DPOConfig(output_dir=out, per_device_train_batch_size=1, report_to=[], bf16=False, use_cpu=True,
                            max_length=None, gradient_checkpointing=not args.no_checkpointing, disable_tqdm=True)
-        kw = dict(model=_model(L, args.layers), ref_model=_model(L, args.layers), args=config, processing_class=tok,
+        # the reference another model than the policy: the loss is not log 2, and must agree across the runs
+        kw = dict(model=_model(L, args.layers, args.vocab, 0), ref_model=_model(L, args.layers, args.vocab, 1),
+                  args=config, processing_class=tok,
                   train_dataset=data)
         if args.cp > 1:
             from hfcp.integrations import HfcpDPOTrainer
@@ -119,7 +124,7 @@ def worker(args) -> None:
 
 def measure(seq_len: int, cp: int, args, hfcp_head: bool = False) -> dict:
     flags = ["--worker", "--seq-len", str(seq_len), "--cp", str(cp), "--repeats", str(args.repeats),
-             "--threads", str(1 if cp > 1 else args.cp), "--layers", str(args.layers)]
+             "--threads", str(1 if cp > 1 else args.cp), "--layers", str(args.layers), "--vocab", str(args.vocab)]
     flags += (["--no-checkpointing"] if args.no_checkpointing else []) + (["--hfcp-head"] if hfcp_head else [])
     cmd = [sys.executable, str(Path(__file__).resolve()), *flags]
     if cp > 1:
@@ -141,7 +146,8 @@ def table(results: list[dict]) -> str:
         ratio = f"{r['peak_mem_mb'] / b['peak_mem_mb']:.2f}" if b else "-"
         who = {"trl": "1 (stock DPOTrainer)", "hfcp": "1 (DPOTrainer, hfcp's fused head)"}[r["head"]] if r["cp"] == 1 \
             else f"cp {r['cp']} (HfcpDPOTrainer)"
-        rows.append(f"| {r['seq_len']} | {who} | {r['peak_mem_mb']:.0f} | {ratio} | {r['time_s']:.1f} | {r['loss']:.6f} |")
+        rows.append(f"| {r['seq_len']} | {who} | {r['peak_mem_mb']:.0f} | {ratio} | {r['time_s']:.1f} "
+                    f"| {r['loss']:.6f} |")
     return "\n".join(rows)
 
 
@@ -153,6 +159,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="L = 2048 unless --lengths is given")
     ap.add_argument("--no-checkpointing", action="store_true", help="gradient_checkpointing=False")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the model")
+    ap.add_argument("--vocab", type=int, default=32000, help="vocabulary size of the model")
+    ap.add_argument("--json", default="runs/bench/bench_dpo.json", help="where to write the results")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
@@ -168,9 +176,8 @@ def main() -> None:
         for cp, hfcp_head in ((1, False), (1, True), (args.cp, False)):
             results.append(measure(L, cp, args, hfcp_head))
             print(json.dumps(results[-1]), flush=True)
-    out = Path("runs/bench")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_dpo.json").write_text(json.dumps(results, indent=1))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=1))
     print(table(results))
 
 

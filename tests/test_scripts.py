@@ -111,5 +111,5 @@ def test_bench_dpo_measures_three_runs_of_the_same_loss(runs):
     rows = json.loads((tmp / "bench_dpo.json").read_text())
     assert [(x["cp"], x["head"]) for x in rows] == [(1, "trl"), (1, "hfcp"), (2, "hfcp")], rows
     assert all(x["peak_mem_mb"] > 0 for x in rows) and abs(rows[0]["loss"] - 0.693147) > 1e-4, rows
-    assert max(x["loss"] for x in rows) - min(x["loss"] for x in rows) < 1e-5, rows
+    assert max(x["loss"] for x in rows) - min(x["loss"] for x in rows) <= 2e-5 * rows[0]["loss"], rows
     assert "| 128 | cp 2 (HfcpDPOTrainer) |" in r.stdout, r.stdout

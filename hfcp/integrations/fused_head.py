@@ -4,8 +4,9 @@ context-parallel model.
 TRL's fused head calls the backbone itself and scores every token it is given, so under CP it would run around
 hfcp's hook. `install_cp_fused_head` puts, on top of the model's forward, one that answers `fused_lm_head=True`
 with hfcp's pieces instead: the hooked forward to the last hidden states (this rank's tokens), then per chunk of
-tokens one pass through the head that gives log p(label) (differentiable, as `hfcp.sequence_logps`) and, without
-gradient, the entropy, the mean logit, whether the label is the top-1 token and log sum p^2. Each per-token field
+tokens (hfcp.patch's `loss_chunk` when it is a number, else 1024) one pass through the head that gives log
+p(label) (differentiable, as `hfcp.sequence_logps`) and, without gradient, the entropy, the mean logit, whether the
+label is the top-1 token and log sum p^2. Each per-token field
 is then gathered whole (batch x sequence numbers, never tokens x vocabulary), so the trainer's own code reads the
 same `FusedCausalLMOutput` as in one process.
 """
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from ..api import gather_sequence
 from ..checks import check_same_batch
+from ..hooks.causal_lm import DEFAULT_LOSS_CHUNK
 from ..loss.linear_ce import IGNORE_INDEX, chunk_starts
 from ..loss.logps import _head_and_transform, _last_hidden_states, _targets
 from ..loss.target_logps import LinearTargetLogps, with_temperature
@@ -28,17 +30,18 @@ STATS = ("entropy", "mean_logits", "is_top1", "log_sum_sq_probs")
 
 def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """logits (n, V) fp32 after the transform, targets (n,) -> (log p(target), entropy, mean logit, top-1, log sum
-    p^2), each (n,), 0 / False where the target is IGNORE_INDEX (as TRL's fused head leaves them)."""
+    p^2), each (n,), 0 / False where the target is IGNORE_INDEX (as TRL's fused head leaves them). Consumes
+    `logits` (overwritten); at most two (n, V) tensors live at a time."""
     valid = targets != IGNORE_INDEX
-    logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
-    picked = logp.gather(1, targets.clamp_min(0)[:, None])[:, 0]
-    p = logp.exp()
-    entropy = -(p * logp).sum(-1)
-    lss = torch.logsumexp(2 * logp, dim=-1)
     top1 = logits.argmax(-1) == targets  # the first maximum, as TRL's kernel decides a tie
-    zero = logits.new_zeros(())
-    kept = (torch.where(valid, v, zero) for v in (picked, entropy, logits.mean(-1), lss))
-    picked, entropy, mean, lss = kept
+    mean = logits.mean(-1)
+    logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # (n, V), in place
+    picked = logp.gather(1, targets.clamp_min(0)[:, None])[:, 0]
+    p = logp.exp()  # (n, V)
+    entropy = -torch.bmm(p[:, None, :], logp[:, :, None]).view(-1)  # -sum p log p, without a third (n, V)
+    lss = 2 * torch.log(torch.linalg.vector_norm(p, dim=-1))  # log sum p^2
+    zero = logp.new_zeros(())
+    picked, entropy, mean, lss = (torch.where(valid, v, zero) for v in (picked, entropy, mean, lss))
     return picked, entropy, mean, top1 & valid, lss
 
 
@@ -124,6 +127,13 @@ def cp_fused_outputs(model, labels: torch.Tensor, temperature: float = 1.0, chun
                                aux_loss=getattr(output, "aux_loss", None))
 
 
+def _chunk(model) -> int:
+    """Tokens per chunk through the head: hfcp.patch's loss_chunk when it is a number, else hfcp's default."""
+    state = cp_state(model)
+    setting = state.settings.loss_chunk if state is not None else None
+    return setting if isinstance(setting, int) and not isinstance(setting, bool) else DEFAULT_LOSS_CHUNK
+
+
 def install_cp_fused_head(model, temperature: float = 1.0) -> None:
     """Make `model(..., labels=labels, fused_lm_head=True)` compute TRL's fused-head outputs under CP (see the module
     docstring); a call without `fused_lm_head` goes to the forward the model had (hfcp's hooked forward, or TRL's
@@ -140,7 +150,8 @@ def install_cp_fused_head(model, temperature: float = 1.0) -> None:
         if args or shift_labels is not None or labels is None:
             raise ValueError("hfcp's fused LM head takes keyword inputs and labels= (not shift_labels=: hfcp shifts "
                              "the labels over the whole sequence itself)")
-        return cp_fused_outputs(inner, labels, temperature, num_items_in_batch=num_items_in_batch, **kwargs)
+        return cp_fused_outputs(inner, labels, temperature, _chunk(inner), num_items_in_batch=num_items_in_batch,
+                                **kwargs)
 
     forward = functools.wraps(previous)(forward)
     forward.hfcp_fused_head = True
