@@ -78,6 +78,8 @@ def test_dpo_every_loss_type_cp2_equals_one_process(pool1, pool2):
                 assert abs(g[k] - r[k]) <= 2e-5 * max(1.0, abs(r[k])), (case, k, g[k], r[k])
 
 
-def test_dpo_refuses_prompt_learning_on_every_rank(pool2):
-    for message in pool2.run(W.refused, "prompt_tuning"):
-        assert message is not None and "prompt-learning PEFT adapter" in message and "use LoRA" in message, message
+@pytest.mark.parametrize("kind, named", [("prompt_tuning", ["prompt-learning PEFT adapter", "use LoRA"]),
+                                         ("moe_aux", ["router auxiliary loss", "router_aux_loss_coef=0.0"])])
+def test_dpo_refuses_by_name_on_every_rank(pool2, kind, named):
+    for message in pool2.run(W.refused, kind):
+        assert message is not None and all(n in message for n in named), message

@@ -148,17 +148,26 @@ def loss_table(cp_size=None):
 
 def refused(kind: str) -> str | None:
     """The ValueError a refused setting raises (None: none raised)."""
+    import transformers
+    from peft import PromptTuningConfig
+
+    from hfcp.integrations import HfcpDPOTrainer
+
+    extra = {}
+    if kind == "prompt_tuning":
+        model = tiny_model("llama")
+        extra["peft_config"] = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    elif kind == "moe_aux":  # a mixture of experts whose config declares a router auxiliary loss
+        cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                         num_experts_per_tok=1, router_aux_loss_coef=0.01)
+        model = transformers.MixtralForCausalLM(cfg)
+        extra["ref_model"] = transformers.MixtralForCausalLM(cfg)
+    _reset_accelerate()
     try:
         with tempfile.TemporaryDirectory() as out:
-            if kind == "prompt_tuning":
-                from peft import PromptTuningConfig
-
-                _reset_accelerate()
-                from hfcp.integrations import HfcpDPOTrainer
-
-                HfcpDPOTrainer(model=tiny_model("llama"), args=_config(out, 2), processing_class=word_tokenizer(),
-                               train_dataset=preference_rows(4, 0), cp_size=2,
-                               peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+            HfcpDPOTrainer(model=model, args=_config(out, 2), processing_class=word_tokenizer(),
+                           train_dataset=preference_rows(4, 0), cp_size=2, **extra)
     except ValueError as e:
         return str(e)
     return None
