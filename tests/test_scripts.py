@@ -21,6 +21,8 @@ RUNS = {
                                   "6", "--check", "--json", str(tmp / "summary.json")],
     "vlm_images": lambda tmp: [*BENCH_VLM, "--images", "4", "--cps", "1"],
     "vlm_video": lambda tmp: [*BENCH_VLM, "--video", "8", "--cps", "2"],
+    "bench_dpo": lambda tmp: [sys.executable, "scripts/bench_dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
+                              "512", "--json", str(tmp / "bench_dpo.json")],
 }
 
 
@@ -99,3 +101,15 @@ def test_bench_vlm_video_lora_step_keeps_the_loss(runs):
     towers, losses, out = _bench_vlm_rows(runs["vlm_video"][0])
     assert towers == ["split over the ranks", "whole on every rank"] and "a video of 8 frames" in out, out
     assert abs(losses[0] - losses[1]) <= 1e-5 * losses[0], losses
+
+
+def test_bench_dpo_measures_three_runs_of_the_same_loss(runs):
+    """Stock DPOTrainer, DPOTrainer with hfcp's fused head, HfcpDPOTrainer at cp 2: the same DPO loss (the reference
+    model differs from the policy), a memory figure per run and the table of the docs."""
+    r, tmp = runs["bench_dpo"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp / "bench_dpo.json").read_text())
+    assert [(x["cp"], x["head"]) for x in rows] == [(1, "trl"), (1, "hfcp"), (2, "hfcp")], rows
+    assert all(x["peak_mem_mb"] > 0 for x in rows) and abs(rows[0]["loss"] - 0.693147) > 1e-4, rows
+    assert max(x["loss"] for x in rows) - min(x["loss"] for x in rows) <= 2e-5 * rows[0]["loss"], rows
+    assert "| 128 | cp 2 (HfcpDPOTrainer) |" in r.stdout, r.stdout

@@ -8,7 +8,8 @@ import importlib
 from .trainer import HfcpTrainer, HfcpTrainerMixin
 
 # the TRL trainers: {name: the module of this package that defines it}
-_TRL_TRAINERS = {"HfcpSFTTrainer": "sft", "HfcpRewardTrainer": "reward", "HfcpGRPOTrainer": "grpo"}
+_TRL_TRAINERS = {"HfcpSFTTrainer": "sft", "HfcpRewardTrainer": "reward", "HfcpDPOTrainer": "dpo",
+                 "HfcpGRPOTrainer": "grpo"}
 
 __all__ = ["HfcpTrainer", "HfcpTrainerMixin", *_TRL_TRAINERS]
 
