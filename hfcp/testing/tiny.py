@@ -20,11 +20,10 @@ TINY = dict(
     decoder_sparse_step=1, n_group=1, topk_group=1,
     # MLA (DeepSeek-style) dimensions, small, with the value head dim (12) other than the query/key one (16); RoPE over head_dim (8)
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
-    # linear-attention mixers (Kimi's KDA, the gated delta rule of Qwen3-Next and its kin): few, small heads, twice
-    # as many value heads as key heads where the family has both (its repeat of the key heads stays in the path);
-    # their defaults (32 heads of 128) made these families three quarters of the sweep's time
-    linear_num_heads=4, linear_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-    linear_value_head_dim=8,
+    # Kimi's KDA mixer: few, small heads (its default, 32 heads of 128, was 40% of the family sweep's time). The gated
+    # delta rule's families (Qwen3-Next and its kin) keep their default heads: its fp32 rounding under CP depends on
+    # them, and tests/test_verify.py checks Qwen3-Next's at 64 tokens
+    linear_num_heads=4, linear_head_dim=8,
     # caps and logit scales made to bite
     attn_logit_softcapping=2.0, final_logit_softcapping=3.0, logits_scaling=2.0,
     use_cache=False,
