@@ -37,3 +37,19 @@ def run_together(commands: dict, tmp: Path, timeout: float = 600, **env) -> dict
         done[name] = subprocess.CompletedProcess(args, proc.returncode, (tmp / f"{name}.out").read_text(),
                                                  (tmp / f"{name}.err").read_text())
     return done
+
+
+def script_error(script: str, argv: list, monkeypatch) -> str:
+    """The one-line error that scripts/`script`.py exits with on `argv`, run in this process: the message of its
+    SystemExit, which Python prints as a process's last line (exit status 1). For the checks a script makes before it
+    builds anything, this is its command-line behaviour without a process start (seconds of imports each). Any other
+    exception (a raw error from a library) escapes and fails the test, as its traceback would have shown."""
+    import pytest
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    module = __import__(script)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(argv)
+    message = exit_info.value.code
+    assert isinstance(message, str) and "\n" not in message.strip(), message
+    return message

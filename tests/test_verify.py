@@ -70,6 +70,18 @@ def test_verify_a_recurrent_hybrid(pool2):
     assert report["loss_err"] < 1e-5 and report["grad_err"] < 1e-4 and report["logit_err"] < 1e-4, report
 
 
+def test_the_float64_reference_of_a_mixture_of_experts_runs():
+    """hfcp verify consults a float64 reference when fp32 differs: transformers' default grouped_mm experts have no
+    float64 kernel (a raw RuntimeError once), so the reference runs its experts eagerly."""
+    import torch
+
+    from hfcp.commands.verify import _reference
+
+    ids = torch.randint(3, 90, (1, 16), generator=torch.Generator().manual_seed(0))
+    loss, logits, grads = _reference("qwen3_next", {"input_ids": ids, "labels": ids}, torch.float64)
+    assert logits.dtype == torch.float64 and loss > 0 and any("experts" in n for n in grads), list(grads)[:5]
+
+
 def test_verify_a_model_type_that_hfcp_refuses_exits_nonzero(pool2, monkeypatch):
     from hfcp.commands import verify
 

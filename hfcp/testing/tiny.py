@@ -16,10 +16,14 @@ TINY = dict(
     # mixture of experts: few, small experts, the router aux loss on and weighted so that it matters
     output_router_logits=True, router_aux_loss_coef=1.0, aux_loss_coef=1.0,
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-    shared_expert_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0, moe_layer_freq=1,
+    shared_expert_intermediate_size=16, moe_shared_expert_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0, moe_layer_freq=1,
     decoder_sparse_step=1, n_group=1, topk_group=1,
     # MLA (DeepSeek-style) dimensions, small, with the value head dim (12) other than the query/key one (16); RoPE over head_dim (8)
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+    # Kimi's KDA mixer: few, small heads (its default, 32 heads of 128, was 40% of the family sweep's time). The gated
+    # delta rule's families (Qwen3-Next and its kin) keep their default heads: its fp32 rounding under CP depends on
+    # them, and tests/test_verify.py checks Qwen3-Next's at 64 tokens
+    linear_num_heads=4, linear_head_dim=8,
     # caps and logit scales made to bite
     attn_logit_softcapping=2.0, final_logit_softcapping=3.0, logits_scaling=2.0,
     use_cache=False,
@@ -92,6 +96,9 @@ def _ssm_dims(default) -> dict:
         out["mamba_n_heads"] = TINY["hidden_size"] * default.mamba_expand // SSM["mamba_d_head"]
         if hasattr(default, "mamba_d_ssm"):  # Falcon-H1: an SSM width of its own, else hidden_size x expand
             out["mamba_d_ssm"] = None
+    if hasattr(default, "mamba_num_heads") and hasattr(default, "mamba_head_dim"):  # Nemotron-H: heads x head dim
+        out["mamba_num_heads"] = TINY["hidden_size"] * default.expand // SSM["mamba_d_head"]  # is its SSM width
+        out["mamba_head_dim"] = SSM["mamba_d_head"]
     if (hasattr(default, "num_heads") and hasattr(default, "state_size")
             and isinstance(getattr(default, "expand", None), int)):  # Mamba-2's heads
         out["num_heads"] = TINY["hidden_size"] * default.expand // TINY["head_dim"]
