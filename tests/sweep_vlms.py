@@ -19,12 +19,13 @@ from hfcp.commands.verify import grad_error
 from sweep_families import GRAD_TOL, LOSS_TOL, _averaged, _grads  # the family sweep's tolerances and helpers
 
 
-def _compare(model_type: str, make_batch) -> dict:
-    """{"result": exact | refused | mismatch | error | not built | reference failed, "detail"} for one batch."""
+def _compare(make, make_batch) -> dict:
+    """{"result": exact | refused | mismatch | error | not built | reference failed, "detail"} for one batch; make():
+    a fresh copy of the type's tiny model."""
     import hfcp
 
     try:
-        ref = tiny_vlm(model_type)
+        ref = make()
         model = copy.deepcopy(ref)  # the same weights, without building it again
         data = make_batch(ref)
     except Exception as e:  # noqa: BLE001 - the sweep reports, it does not fail
@@ -65,18 +66,24 @@ def check(model_type: str) -> dict:
         REGISTRY.register(Patcher(model_type=model_type, attention_classes=(), read_from_model=True,
                                   language_model="auto", vision_tower="auto"))
         added.append(model_type)
-    tower = ""
+    tower, built, failed = "", None, None
     try:
-        built = tiny_vlm(model_type)
+        built = tiny_vlm(model_type)  # built once: each comparison runs a copy (building is most of the sweep's time)
         text_type = built.config.get_text_config().model_type
         tower = "split over the ranks" if splits_tower(built.config.vision_config) else "whole on every rank"
         if REGISTRY.get(text_type) is None:  # its text model, checked at patch time like any read-from-model type
             REGISTRY.register(Patcher(model_type=text_type, attention_classes=(), read_from_model=True))
             added.append(text_type)
-    except Exception:  # noqa: BLE001 - not built: _compare says why
-        text_type = None
+    except Exception as e:  # noqa: BLE001 - not built: _compare says why
+        text_type, failed = None, e
+
+    def make():
+        if built is None:
+            raise failed
+        return copy.deepcopy(built)
+
     try:
-        text, images = _compare(model_type, text_batch), _compare(model_type, image_batch)
+        text, images = _compare(make, text_batch), _compare(make, image_batch)
     finally:
         for t in added:
             REGISTRY._patchers.pop(t)

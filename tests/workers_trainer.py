@@ -3,6 +3,7 @@ processes; each returns what the Trainer logged and predicted."""
 from __future__ import annotations
 
 import os
+import multiprocessing
 import tempfile
 
 import torch
@@ -364,10 +365,17 @@ def cropped_run(per_device: int):
     from hfcp.integrations import HfcpTrainer
 
     _reset_accelerate()
-    with tempfile.TemporaryDirectory() as out:
-        trainer = HfcpTrainer(model=tiny_model("llama"), args=_args(out, per_device, dataloader_num_workers=1),
-                              train_dataset=CroppedRows(24))
-        trainer.train()
+    # DataLoader workers forked, as in a process torchrun or accelerate launch starts (Linux's default); this pool's
+    # processes were spawned, and would spawn them too (a fresh interpreter importing torch each: seconds apiece)
+    method = multiprocessing.get_start_method()
+    multiprocessing.set_start_method("fork", force=True)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            trainer = HfcpTrainer(model=tiny_model("llama"), args=_args(out, per_device, dataloader_num_workers=1),
+                                  train_dataset=CroppedRows(24))
+            trainer.train()
+    finally:
+        multiprocessing.set_start_method(method, force=True)
     return {"history": _history(trainer)}
 
 
