@@ -74,6 +74,19 @@ def test_verify_a_model_type_with_a_classification_head(pool2, family, head, str
     assert report["loss_err"] < 1e-5 and report["grad_err"] < 1e-4 and report["logit_err"] < 1e-4, report
 
 
+def test_verify_a_token_classifier_checkpoint_with_the_flag(pool2, tmp_path):
+    """A token classifier's checkpoint is loaded as its class (a causal LM of it once: another model, its head
+    random) and checked on its per-token logits; --head naming the checkpoint's own class is accepted."""
+    from workers_heads import tiny_model
+
+    from hfcp.commands.verify_inputs import load_model
+
+    tiny_model("llama", "token").save_pretrained(tmp_path / "ckpt")
+    assert type(load_model(str(tmp_path / "ckpt"))).__name__ == "LlamaForTokenClassification"
+    report = _rank_reports(pool2, str(tmp_path / "ckpt"), 40, head="token-classification")
+    assert report["verdict"] == "exact" and report["loss_err"] < 1e-5 and report["logit_err"] < 1e-4, report
+
+
 def test_verify_builds_the_class_of_the_head_from_the_tiny_config():
     import transformers
 
