@@ -177,8 +177,8 @@ def _check_tiny_head(model: str, head: str, data: str | None):
         classification_head_name(built, HEADS[head][1])
     except UnsupportedModelError as e:
         raise VerifyError(f"--model {model} --head {head}: hfcp does not run this head of {model} "
-                          f"({' '.join(str(e).split())}): leave out --head (its causal LM) or pass a type whose "
-                          f"{classes[model]} is built on transformers' generic head, as llama's", 2) from e
+                          f"({' '.join(str(e).split())}): leave out --head (its causal LM), or pass a family whose "
+                          f"{head} class uses transformers' generic head (as llama's does)", 2) from e
     return built
 
 
