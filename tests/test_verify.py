@@ -23,7 +23,7 @@ def _verify(*args, report: bool = True):
     return rc, json.loads(out.getvalue().strip().splitlines()[-1]) if report else None, err.getvalue()
 
 
-def _rank_reports(pool, model: str, seq_len: int, strategy: str = "ring", data=None) -> dict:
+def _rank_reports(pool, model: str, seq_len: int, strategy: str = "ring", data=None, head=None) -> dict:
     """What `hfcp verify` reports, computed by its workers' function (verify.run_rank) on the test's pool of two
     ranks (as a dict, as --json prints it): the checks that do not depend on the command starting its own
     processes, without two process starts each. The command end to end: the checkpoint test below."""
@@ -31,8 +31,8 @@ def _rank_reports(pool, model: str, seq_len: int, strategy: str = "ring", data=N
 
     from hfcp.commands.verify import check_arguments, run_rank
 
-    check_arguments(model, seq_len, data)
-    reports = [asdict(r) for r in pool.run(run_rank, model, seq_len, strategy, data)]
+    check_arguments(model, seq_len, data, head)
+    reports = [asdict(r) for r in pool.run(run_rank, model, seq_len, strategy, data, head)]
     assert reports[0]["verdict"] == reports[1]["verdict"], reports
     return reports[0]
 
@@ -61,6 +61,45 @@ def test_verify_a_sequence_classifier_checkpoint(pool2, tmp_path, family):
             "BioGptForSequenceClassification.forward is not transformers' GenericForSequenceClassification"), report
         return
     assert report["verdict"] == "exact" and report["loss_err"] < 1e-5 and report["logit_err"] < 1e-4, report
+
+
+@pytest.mark.parametrize("family, head, strategy", [("llama", "sequence-classification", "ring"),
+                                                     ("gpt2", "sequence-classification", "allgather"),
+                                                     ("mistral", "token-classification", "ring")])
+def test_verify_a_model_type_with_a_classification_head(pool2, family, head, strategy):
+    """--head builds the family's *ForSequenceClassification / *ForTokenClassification of the tiny config and checks
+    its loss, whole logits and every gradient (gpt2: a forward of its own that hfcp accepts by its fingerprint)."""
+    report = _rank_reports(pool2, family, 40, strategy, head=head)
+    assert report["verdict"] == "exact" and report["head"] == head, report
+    assert report["loss_err"] < 1e-5 and report["grad_err"] < 1e-4 and report["logit_err"] < 1e-4, report
+
+
+def test_verify_a_token_classifier_checkpoint_with_the_flag(pool2, tmp_path):
+    """A token classifier's checkpoint is loaded as its class (a causal LM of it once: another model, its head
+    random) and checked on its per-token logits; --head naming the checkpoint's own class is accepted."""
+    from workers_heads import tiny_model
+
+    from hfcp.commands.verify_inputs import load_model
+
+    tiny_model("llama", "token").save_pretrained(tmp_path / "ckpt")
+    assert type(load_model(str(tmp_path / "ckpt"))).__name__ == "LlamaForTokenClassification"
+    report = _rank_reports(pool2, str(tmp_path / "ckpt"), 40, head="token-classification")
+    assert report["verdict"] == "exact" and report["loss_err"] < 1e-5 and report["logit_err"] < 1e-4, report
+
+
+def test_verify_builds_the_class_of_the_head_from_the_tiny_config():
+    import transformers
+
+    from hfcp.commands.verify_inputs import load_model, make_batch
+    from hfcp.testing.tiny import tiny_config
+
+    model = load_model("llama", head="sequence-classification")
+    assert type(model) is transformers.LlamaForSequenceClassification, type(model)
+    assert model.config.to_dict() == tiny_config("llama").to_dict() | {"architectures": None}
+    batch = make_batch(model, 40, None)
+    assert batch["labels"].shape == (1,) and model(**batch).logits.shape == (1, model.config.num_labels)
+    token = load_model("llama", head="token-classification")
+    assert make_batch(token, 40, None)["labels"].shape == (1, 40) and token(**make_batch(token, 40, None)).logits.shape == (1, 40, 2)
 
 
 def test_verify_a_recurrent_hybrid(pool2):
@@ -115,6 +154,15 @@ def _config_only(tmp_path):  # a checkpoint directory whose weights are missing:
     return str(tmp_path / "ckpt")
 
 
+def _causal_lm_checkpoint(tmp_path):  # a config.json naming a causal LM's class (the flag's check reads no weights)
+    from hfcp.testing.tiny import tiny_config
+
+    config = tiny_config("llama")
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(tmp_path / "ckpt")
+    return str(tmp_path / "ckpt")
+
+
 # (arguments, exit status, the line's start, whether the parent refuses before starting any worker)
 BAD_INVOCATIONS = {
     "seq_len_beyond_the_tiny_models_positions": (
@@ -136,6 +184,23 @@ BAD_INVOCATIONS = {
         lambda tmp: ["--model", "gpt2", "--seq-len", "32", "--data", str(ROOT / "README.md")], 2,
         "hfcp verify: error: --data {root}/README.md needs a checkpoint directory (its tokenizer): the tiny random "
         "gpt2 has a random vocabulary of 96 ids and no tokenizer", True),
+    "head_that_transformers_lacks_for_the_type": (
+        lambda tmp: ["--model", "codegen", "--head", "sequence-classification"], 2,
+        "hfcp verify: error: --model codegen --head sequence-classification: transformers "
+        f"{__import__('transformers').__version__} has no sequence-classification class of model_type 'codegen': "
+        "pass one of the", True),
+    "head_hfcp_does_not_run_for_the_family": (
+        lambda tmp: ["--model", "biogpt", "--seq-len", "32", "--head", "sequence-classification"], 2,
+        "hfcp verify: error: --model biogpt --head sequence-classification: hfcp does not run this head of biogpt "
+        "(BioGptForSequenceClassification.forward is not transformers' GenericForSequenceClassification.forward", True),
+    "head_of_a_vision_language_model_type": (
+        lambda tmp: ["--model", "gemma3", "--seq-len", "32", "--head", "sequence-classification"], 2,
+        "hfcp verify: error: --model gemma3 --head sequence-classification: gemma3 is a vision-language model, and "
+        "hfcp runs classification heads of language models only", True),
+    "head_other_than_the_checkpoints_class": (
+        lambda tmp: ["--model", _causal_lm_checkpoint(tmp), "--seq-len", "32", "--head", "token-classification"], 2,
+        "hfcp verify: error: --head token-classification with the checkpoint {tmp}/ckpt, whose config.json names "
+        "['LlamaForCausalLM'], not a *ForTokenClassification class: leave out --head", True),
     "error_raised_in_the_workers": (
         lambda tmp: ["--model", _config_only(tmp), "--seq-len", "32"], 1,
         "hfcp verify: OSError: Error no file named model.safetensors, or pytorch_model.bin, found in directory "

@@ -17,6 +17,11 @@ def main(argv=None) -> int:
     v.add_argument("--cp-size", type=int, default=2, help="processes to start (one CP group)")
     v.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses", "usp"])
     v.add_argument("--data", help="a text file (tokenized with the checkpoint's tokenizer); default: random ids")
+    from .verify_inputs import HEADS
+
+    v.add_argument("--head", choices=list(HEADS),
+                   help="a model_type's tiny model with the family's class of that head (a checkpoint: its own class, "
+                        "which must be of it); default: the causal LM")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     if args.seq_len < 2 or args.cp_size < 2:
@@ -25,14 +30,15 @@ def main(argv=None) -> int:
     from .verify import GRAD_TOL, LOGIT_TOL, LOSS_TOL, VerifyError, verify
 
     try:
-        report = verify(args.model, args.seq_len, args.cp_size, args.strategy, args.data)
+        report = verify(args.model, args.seq_len, args.cp_size, args.strategy, args.data, args.head)
     except VerifyError as e:  # one line, no traceback: 2 bad arguments (as argparse), 1 no verdict
         print(f"hfcp verify: {'error: ' if e.exit_status == 2 else ''}{e}", file=sys.stderr)
         return e.exit_status
     if args.json:
         print(json.dumps(asdict(report)))
     else:
-        print(f"hfcp verify: {report.model}, {report.seq_len} tokens, cp {report.cp_size}, {report.strategy}: "
+        head = f" ({report.head})" if report.head else ""
+        print(f"hfcp verify: {report.model}{head}, {report.seq_len} tokens, cp {report.cp_size}, {report.strategy}: "
               f"{report.verdict.upper()}")
         if report.reason:
             print(f"  {report.reason}")

@@ -43,6 +43,7 @@ class Report:
     fp64: dict | None = None  # errors of hfcp and of the fp32 reference against float64, when consulted
     peak_mem_mb: list | None = None  # per rank: CUDA, the patched step; CPU, the process's peak RSS (all of it)
     reason: str | None = None
+    head: str | None = None  # --head: a model_type's sequence or token classifier
 
 
 def _grads(model) -> dict:
@@ -56,8 +57,8 @@ def grad_error(got: dict, want: dict) -> float:
     return max(float((got[n] - want[n]).abs().max()) / max(float(want[n].abs().max()), floor) for n in want)
 
 
-def _reference(model_name, batch, dtype):
-    model = load_model(model_name, dtype).eval()  # eval: no dropout noise; gradients all the same
+def _reference(model_name, batch, dtype, head=None):
+    model = load_model(model_name, dtype, head).eval()  # eval: no dropout noise; gradients all the same
     if dtype == torch.float64 and getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
         model.set_experts_implementation("eager")  # torch's grouped_mm (MoE experts) has no float64 kernel
     batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
@@ -72,16 +73,16 @@ def _peak_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_rank(model_name: str, seq_len: int, strategy: str, data: str | None) -> Report:
-    """On every rank of an initialised process group (the whole world is one CP group)."""
+def run_rank(model_name: str, seq_len: int, strategy: str, data: str | None, head: str | None = None) -> Report:
+    """On every rank of an initialised process group (the whole world is one CP group); `head`: --head."""
     import hfcp
 
     cp = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    report = Report(model_name, seq_len, cp, strategy, "refused")
-    model = load_model(model_name).to(device).eval()
+    report = Report(model_name, seq_len, cp, strategy, "refused", head=head)
+    model = load_model(model_name, head=head).to(device).eval()
     batch = make_batch(model, seq_len, data)
-    ref_loss, ref_logits, ref_grads = _reference(model_name, batch, torch.float32)
+    ref_loss, ref_logits, ref_grads = _reference(model_name, batch, torch.float32, head)
     batch = {k: v.to(device) for k, v in batch.items()}
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     if device.type == "cuda":
@@ -107,7 +108,8 @@ def run_rank(model_name: str, seq_len: int, strategy: str, data: str | None) -> 
     report.logit_err = float((logits.double().cpu() - ref_logits).abs().max() / ref_logits.abs().max())
     exact = report.loss_err < LOSS_TOL and report.grad_err < GRAD_TOL and report.logit_err < LOGIT_TOL
     if not exact:  # decide against float64, which both fp32 computations approximate
-        loss64, logits64, grads64 = _reference(model_name, {k: v.cpu() for k, v in batch.items()}, torch.float64)
+        loss64, logits64, grads64 = _reference(model_name, {k: v.cpu() for k, v in batch.items()}, torch.float64,
+                                               head)
         report.fp64 = {
             "hfcp": {"loss": abs(loss.item() - loss64) / abs(loss64), "grad": grad_error(grads, grads64),
                      "logits": float((logits.double().cpu() - logits64).abs().max() / logits64.abs().max())},
@@ -146,8 +148,11 @@ def _worker(rank: int, cp: int, port: int, args: tuple, tmp: str) -> None:
         sys.exit(1)
 
 
-def verify(model: str, seq_len: int, cp_size: int, strategy: str = "ring", data: str | None = None) -> Report:
-    """Check the arguments here (`check_arguments`), start `cp_size` processes and return rank 0's report.
+def verify(model: str, seq_len: int, cp_size: int, strategy: str = "ring", data: str | None = None,
+           head: str | None = None) -> Report:
+    """Check the arguments here (`check_arguments`), start `cp_size` processes and return rank 0's report. `head`
+    ("sequence-classification" or "token-classification"): a model_type's tiny random model is built with the
+    family's class of that head; a checkpoint's class must be of it.
 
     Raises:
         VerifyError: bad arguments (exit_status 2); no tiny model of the type, or an exception in a worker, whose
@@ -158,12 +163,12 @@ def verify(model: str, seq_len: int, cp_size: int, strategy: str = "ring", data:
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    check_arguments(model, seq_len, data)
+    check_arguments(model, seq_len, data, head)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_worker, args=(cp_size, port, (model, seq_len, strategy, data), tmp), nprocs=cp_size,
+        ctx = mp.spawn(_worker, args=(cp_size, port, (model, seq_len, strategy, data, head), tmp), nprocs=cp_size,
                        join=False)
         # when one rank fails, the others get time to fail too and say why (one blocked in a collective sees its
         # peer gone) before torch terminates them (grace_period: torch 2.5 and later)

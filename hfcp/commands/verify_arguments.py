@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .verify_inputs import VLM_TYPES, auto_class, is_checkpoint, load_model
+from .verify_inputs import HEADS, VLM_TYPES, auto_class, checkpoint_head, is_checkpoint, load_model
 
 
 class VerifyError(Exception):
@@ -40,22 +40,26 @@ def position_limit(model) -> tuple[int, str] | None:
     return (limit, tables[0]) if tables else None
 
 
-def check_arguments(model: str, seq_len: int, data: str | None = None) -> None:
+def check_arguments(model: str, seq_len: int, data: str | None = None, head: str | None = None) -> None:
     """Check in the calling process what needs no worker: `model` is a checkpoint directory (config.json of a causal
-    LM) or a causal-LM model_type (whose tiny random model is built here), `data` goes with a checkpoint and gives
-    tokens, and `seq_len` fits the model's position table where it has one.
+    LM, or of a classifier whose class is of `head` when given) or a model_type (whose tiny random model is built
+    here: its causal LM, or with `head` its class of that head, one whose head hfcp runs), `data` goes with a
+    checkpoint and gives tokens, and `seq_len` fits the model's position table where it has one.
 
     Raises:
         VerifyError: exit_status 2 for bad arguments; 1 where hfcp.testing.tiny builds no tiny random model of the type.
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
 
-    if not is_checkpoint(model) and model in VLM_TYPES():  # a tiny random VLM: checked with text and images
+    if not is_checkpoint(model) and model in VLM_TYPES() and head is None:  # a tiny random VLM: text and images
         _check_tiny_vlm(model, seq_len, data)
         return
     if is_checkpoint(model):
-        built = _check_checkpoint(model, seq_len, data)
+        built = _check_checkpoint(model, seq_len, data, head)
         what = f"the checkpoint {model}"
+    elif head is not None:
+        built = _check_tiny_head(model, head, data)
+        what = f"the tiny random {model} ({head}) of hfcp.testing.tiny"
     elif model in CAUSAL_LM:
         built = _check_tiny_model(model, data)
         what = f"the tiny random {model} of hfcp.testing.tiny"
@@ -81,7 +85,7 @@ def _check_tiny_vlm(model: str, seq_len: int, data: str | None) -> None:
                           f"--seq-len {seq_len}: pass a longer --seq-len or a checkpoint directory)", 1) from e
 
 
-def _check_checkpoint(model: str, seq_len: int, data: str | None):
+def _check_checkpoint(model: str, seq_len: int, data: str | None, head: str | None = None):
     """The checkpoint's config and data checked; its modules on the meta device when seq_len passes the positions
     its config names (to look for a position table), else None."""
     import transformers
@@ -95,6 +99,10 @@ def _check_checkpoint(model: str, seq_len: int, data: str | None):
         raise VerifyError(f"--model {model}: its config.json has model_type {config.model_type!r}, which has "
                           f"no causal-LM or image-text-to-text class in transformers {transformers.__version__} "
                           f"(AutoModelForCausalLM, AutoModelForImageTextToText): pass such a checkpoint", 2)
+    if head is not None and checkpoint_head(config) != head:
+        raise VerifyError(f"--head {head} with the checkpoint {model}, whose config.json names "
+                          f"{config.architectures}, not a *{HEADS[head][0]} class: leave out --head (a checkpoint is "
+                          f"verified as its own class) or pass a checkpoint of such a class", 2)
     if data is not None:
         _check_data(model, data, config.get_text_config().vocab_size)
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
@@ -126,7 +134,7 @@ def _check_data(model: str, data: str, vocab: int) -> None:
                           f"into {model} (save_pretrained)", 2)
 
 
-def _check_tiny_model(model: str, data: str | None):
+def _check_tiny_model(model: str, data: str | None, head: str | None = None):
     if data is not None:
         from ..testing.tiny import TINY
 
@@ -134,10 +142,44 @@ def _check_tiny_model(model: str, data: str | None):
                           f"has a random vocabulary of {TINY['vocab_size']} ids and no tokenizer; leave out --data "
                           f"(seeded random ids) or pass a checkpoint directory", 2)
     try:
-        return load_model(model)
+        return load_model(model, head=head)
     except Exception as e:
         raise VerifyError(f"{one_line(e)} (hfcp.testing.tiny builds no tiny random model of {model}: verify a "
                           f"checkpoint directory of it instead)", 1) from e
+
+
+def _check_tiny_head(model: str, head: str, data: str | None):
+    """A model_type with --head: transformers has a class of that head for it, of a language model, and hfcp runs
+    that class's head (its pooling and loss: hfcp.hooks.heads.classification_head_name); the tiny model, built."""
+    import transformers
+
+    from ..families.registry import UnsupportedModelError
+    from ..hooks.heads import classification_head_name
+    from ..testing.tiny import HEAD_MAPPINGS, head_classes
+
+    classes = head_classes(head)
+    if model not in classes:
+        from transformers import CONFIG_MAPPING
+
+        where = ("" if model in CONFIG_MAPPING else "a directory without config.json, and " if Path(model).is_dir()
+                 else "a file, not a directory, and " if Path(model).exists() else "no such directory, and ")
+        close = difflib.get_close_matches(model, classes, n=3)
+        hint = f" (close: {', '.join(close)})" if close else ""
+        raise VerifyError(f"--model {model} --head {head}: {where}transformers {transformers.__version__} has "
+                          f"no {head} class of model_type {model!r}{hint}: pass one of the {len(classes)} types of "
+                          f"{HEAD_MAPPINGS[head]}, or leave out --head", 2)
+    if model in VLM_TYPES():
+        raise VerifyError(f"--model {model} --head {head}: {model} is a vision-language model, and hfcp runs "
+                          f"classification heads of language models only: pass a language model's type, or leave "
+                          f"out --head (verified with images)", 2)
+    built = _check_tiny_model(model, data, head)
+    try:
+        classification_head_name(built, HEADS[head][1])
+    except UnsupportedModelError as e:
+        raise VerifyError(f"--model {model} --head {head}: hfcp does not run this head of {model} "
+                          f"({' '.join(str(e).split())}): leave out --head (its causal LM), or pass a family whose "
+                          f"{head} class uses transformers' generic head (as llama's does)", 2) from e
+    return built
 
 
 def _unknown_model(model: str) -> VerifyError:

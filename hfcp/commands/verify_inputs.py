@@ -1,5 +1,5 @@
 """What `hfcp verify` builds from its arguments: the model (a checkpoint directory or a model_type's tiny random
-model, causal LM, vision-language model or sequence classifier) and its batch (the user's text, random ids, images)."""
+model, causal LM, vision-language model, or sequence or token classifier) and its batch (the user's text, random ids, images)."""
 from __future__ import annotations
 
 import functools
@@ -33,41 +33,57 @@ def VLM_TYPES():  # noqa: N802 - a constant of the installed transformers
     return tuple(t for t in VLM if t not in CAUSAL_LM or has_vision(t))
 
 
+# --head -> (the end of its class names, hfcp's head kind)
+HEADS = {"sequence-classification": ("ForSequenceClassification", "sequence_classification"),
+         "token-classification": ("ForTokenClassification", "token_classification")}
+
+
+def checkpoint_head(config) -> str | None:
+    """The --head a checkpoint's config names (its `architectures`, as save_pretrained writes them: a reward model,
+    a classifier), None for another class."""
+    names = getattr(config, "architectures", None) or ()
+    return next((head for head, (end, _) in HEADS.items() if any(n.endswith(end) for n in names)), None)
+
+
+def model_head(model) -> str | None:
+    """The --head of a built model, from its class: None for a causal LM or a vision-language model."""
+    return next((head for head, (end, _) in HEADS.items() if type(model).__name__.endswith(end)), None)
+
+
 def auto_class(model_type: str, config=None):
-    """The auto class of a checkpoint's config (a sequence classifier when its architectures name one: a reward
-    model), else of the model_type: a vision-language model or a causal LM."""
+    """The auto class of a checkpoint's config (a sequence or token classifier when its architectures name one),
+    else of the model_type: a vision-language model or a causal LM."""
     import transformers
 
-    if config is not None and _is_sequence_classifier(config):
+    head = checkpoint_head(config) if config is not None else None
+    if head == "sequence-classification":
         return transformers.AutoModelForSequenceClassification
+    if head == "token-classification":
+        return transformers.AutoModelForTokenClassification
     vlm = model_type in VLM_TYPES()
     return transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
 
 
-def load_model(model: str, dtype=torch.float32):
-    """A checkpoint directory, or a model_type (a tiny random model of it)."""
+def load_model(model: str, dtype=torch.float32, head: str | None = None):
+    """A checkpoint directory (its own class), or a model_type: a tiny random model of it, with `head` (a key of
+    HEADS) the family's class of that head."""
     if is_checkpoint(model):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model)
         cls = auto_class(config.model_type, config)
         return cls.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").train()
-    if model in VLM_TYPES():
+    if model in VLM_TYPES() and head is None:
         from ..testing.tiny_vlm import tiny_vlm
 
         return tiny_vlm(model).to(dtype)
     from ..testing.tiny import tiny_model
 
-    return tiny_model(model).to(dtype)
+    return tiny_model(model, head=head).to(dtype)
 
 
 def _is_vlm(model) -> bool:
-    return model.config.model_type in VLM_TYPES() and not _is_sequence_classifier(model.config)
-
-
-def _is_sequence_classifier(config) -> bool:
-    """Whether a checkpoint's config names a sequence-classification class (a reward model, a classifier)."""
-    return any(name.endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or ())
+    return model.config.model_type in VLM_TYPES() and model_head(model) is None
 
 
 def sequence_labels(config) -> torch.Tensor:
@@ -84,7 +100,7 @@ def sequence_labels(config) -> torch.Tensor:
 
 def make_batch(model, seq_len: int, data: str | None) -> dict:
     """The inputs of the check: (1, seq_len) token ids (token_ids) as input_ids and labels (a sequence classifier's
-    checkpoint: labels of its problem type, sequence_labels); for a vision-language model, two rows with an image
+    checkpoint or --head: labels of its problem type, sequence_labels; a token classifier's: a seeded class per token); for a vision-language model, two rows with an image
     each, built by hand (hfcp.testing.tiny_vlm.image_batch; a checkpoint's ids then come from the tiny vocabulary of
     placeholders, so a text-only check of its text with --data stays the causal-LM one)."""
     if _is_vlm(model) and data is None:
@@ -92,8 +108,12 @@ def make_batch(model, seq_len: int, data: str | None) -> dict:
 
         return image_batch(model, seq_len)
     ids = token_ids(model, seq_len, data)
-    if _is_sequence_classifier(model.config):  # a reward model / classifier: its score at the last token
+    head = model_head(model)
+    if head == "sequence-classification":  # a reward model / classifier: its score at the last token
         return {"input_ids": ids, "labels": sequence_labels(model.config)}
+    if head == "token-classification":  # a class per token, seeded
+        labels = torch.randint(0, model.config.num_labels, ids.shape, generator=torch.Generator().manual_seed(0))
+        return {"input_ids": ids, "labels": labels}
     return {"input_ids": ids, "labels": ids}
 
 

@@ -32,6 +32,10 @@ WINDOW = 7  # for families whose config has a sliding window by default (a windo
             # passed to attention by some families' code all the same: transformers' SDPA then ignores it)
 CHUNK = 8
 MAX_PARAMS = 3_000_000
+# the head a tiny model is built with -> transformers' mapping of model_type -> class name (None: the causal LM)
+HEAD_MAPPINGS = {None: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+                 "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+                 "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"}
 
 
 def tiny_config(model_type: str):
@@ -115,18 +119,27 @@ def _layer_kinds(default) -> list | None:
     return kinds if len(kinds) > 1 else None
 
 
-def tiny_model(model_type: str, seed: int = 0):
-    """A tiny random causal LM of `model_type` (train mode), weights perturbed away from their init.
+def head_classes(head: str | None = None) -> dict:
+    """transformers' model_type -> class name of `head` (a key of HEAD_MAPPINGS; None: the causal LM)."""
+    from transformers.models.auto import modeling_auto
+
+    return getattr(modeling_auto, HEAD_MAPPINGS[head])
+
+
+def tiny_model(model_type: str, seed: int = 0, head: str | None = None):
+    """A tiny random causal LM of `model_type` (train mode), weights perturbed away from their init; with `head`
+    ("sequence-classification" or "token-classification"), the family's class of that head (its
+    `*ForSequenceClassification` / `*ForTokenClassification`, the config's default num_labels) of the same config.
 
     Raises:
+        KeyError: transformers has no class of `head` for `model_type`.
         Exception: whatever the family's config or model raises for these tiny values; ValueError when the tiny
             config still makes a large model (a part of the config that ignores the tiny values).
     """
-    from transformers.models.auto import modeling_auto
     import transformers
 
     cfg = tiny_config(model_type)
-    cls = getattr(transformers, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    cls = getattr(transformers, head_classes(head)[model_type])
     with torch.device("meta"):  # size it first: a config part that ignores the tiny values could be huge
         try:
             size = sum(p.numel() for p in cls(cfg).parameters())
