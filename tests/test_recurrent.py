@@ -239,3 +239,17 @@ def test_a_kernel_whose_state_is_not_the_folded_form_is_refused():
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(RuntimeError, match="not the form hfcp folds"):  # raised before any collective
         chunked_rule_over_ranks(rule, q, q, torch.randn(1, 8, 2, 3), {"g": torch.zeros(1, 8, 2)}, step, None)
+
+
+
+def test_gated_delta_fp32_rounding_is_the_kernels_own(pool2):
+    """Against a float64 truth whose gated delta kernel runs in float64 too (transformers' torch kernel computes in
+    fp32 whatever the model's dtype), hfcp's fp32 gradients are as close as the one-device fp32 model's whose kernel
+    chunks are hfcp's runs (the fold adds no rounding of its own: with its states rounded through bf16, 1.4x), and
+    closer than the one-device model's at its default chunks of 64: the kernel's rounding of the decay gradients
+    (A_log, dt_bias) grows with its chunk. Lara-mini at 64 tokens (runs of 16): hfcp 3.3e-4, one device 1.5e-3 (3.4e-4
+    with chunks of 16). The float64 model with the kernel in fp32 (hfcp verify's reference) is 1.4e-3 off the truth:
+    it shares the one-device kernel's rounding, so it sees hfcp 1.3e-3 off and the fp32 model only 2.7e-4."""
+    r = pool2.run(W.kernel_precision, "lara_mini", 64)[0]
+    assert r["hfcp"] < 1.2 * r["one_device_run_chunks"] and r["hfcp"] < 0.5 * r["one_device"], r
+    assert r["verify_reference"] > 0.5 * r["one_device"], r  # the kernel in fp32 inside a float64 model

@@ -494,3 +494,61 @@ def _checkpoint_layers(model, checkpointing: str, reentrant: bool) -> None:
 
         for layer in layers:
             checkpoint(layer)
+
+
+def _float64_kernel(kernel):
+    """transformers' torch chunked gated delta rule casts its inputs to fp32 whatever their dtype (so a float64 model
+    runs it in fp32): the same source with its casts made float64, for a reference that is float64 throughout."""
+    import inspect
+    import sys
+
+    raw = inspect.unwrap(kernel)
+    source = "\n".join(line for line in inspect.getsource(raw).splitlines() if not line.startswith("@"))
+    assert source.count("torch.float32") == 1, source  # the one cast of q, k, v, beta and g
+    scope = dict(vars(sys.modules[raw.__module__]))
+    exec(source.replace("torch.float32", "torch.float64"), scope)  # noqa: S102 - transformers' own code
+    return scope[raw.__name__]
+
+
+def kernel_precision(model_type: str, seq_len: int) -> dict:
+    """The gradients of hfcp (fp32, this pool's CP, zigzag) and of the unpatched fp32 model, each against the model in
+    float64 with its gated delta kernel in float64 too (grad_error); also the unpatched fp32 model with the kernel's
+    chunks as long as hfcp's runs ("one_device_run_chunks"), and the float64 model with the kernel as transformers
+    runs it (fp32 inside: hfcp verify's float64 reference)."""
+    import copy
+    import functools
+    import inspect
+    import sys
+
+    from hfcp.commands.verify import _grads
+    from hfcp.commands.verify_inputs import make_batch
+    from hfcp.testing.tiny import tiny_model
+
+    built = tiny_model(model_type).eval()
+    family, name = sys.modules[type(built).__module__], "torch_chunk_gated_delta_rule"
+    batch = make_batch(built, seq_len, None)
+
+    def reference(dtype, kernel=None):
+        model = copy.deepcopy(built).to(dtype)
+        if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+            model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+        original = getattr(family, name)
+        setattr(family, name, kernel or original)
+        try:
+            model(**batch, use_cache=False).loss.backward()
+        finally:
+            setattr(family, name, original)
+        return _grads(model)
+
+    truth = reference(torch.float64, _float64_kernel(getattr(family, name)))
+    run = seq_len // (2 * dist.get_world_size())  # tokens per run: the kernel's chunk for hfcp (at most 64)
+    chunks = functools.partial(inspect.unwrap(getattr(family, name)), chunk_size=run)
+    errors = {"one_device": grad_error(reference(torch.float32), truth),
+              "one_device_run_chunks": grad_error(reference(torch.float32, chunks), truth),
+              "verify_reference": grad_error(reference(torch.float64), truth)}
+    model = built
+    hfcp.patch(model, strategy="ring", timeout=60)
+    model(**batch).loss.backward()
+    errors["hfcp"] = grad_error(averaged_grads(model), truth)
+    hfcp.unpatch(model)
+    return errors
