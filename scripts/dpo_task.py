@@ -97,8 +97,8 @@ def make_trainer(model, lora, training: dict, args, n_pairs: int, **hfcp_options
 
     tok = byte_tokenizer()
     losses = dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, args.rpo_alpha]) if args.rpo_alpha else {}
-    config = DPOConfig(**training, beta=args.beta, **losses, max_length=None, gradient_checkpointing=args.gradient_checkpointing,
-                       bf16=False, dataset_num_proc=None)
+    config = DPOConfig(**training, beta=args.beta, **losses, max_length=None, bf16=False, dataset_num_proc=None,
+                       gradient_checkpointing=args.gradient_checkpointing)
     trainer = HfcpDPOTrainer(model=model, args=config, processing_class=tok, peft_config=lora,
                              train_dataset=pairs(n_pairs, args.seq_len, args.seed), **hfcp_options)
     return trainer, tok

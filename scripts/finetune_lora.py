@@ -52,17 +52,17 @@ def parse_args(argv=None):
                          "dpo: preference pairs after long documents (the right key preferred over a wrong one)")
     ap.add_argument("--model", help="local checkpoint directory (default: embedded tiny Llama, random weights)")
     ap.add_argument("--data", help="directory of .txt files or .jsonl with 'text' (default: embedded corpus)")
-    ap.add_argument("--seq-len", type=int, help="packed row length (text task; default 2048)")
+    ap.add_argument("--seq-len", type=int, help="packed row length (default 2048; dpo: a pair's rows, 512)")
     ap.add_argument("--frames", type=int, default=16, help="--task video: frames per video (4 tokens each)")
     ap.add_argument("--batch-size", type=int, help="rows per CP group per micro-step (default: text 1, video 8)")
     ap.add_argument("--cp-size", type=int, default=None, help="ranks per CP group (default: all processes)")
     ap.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses", "usp"])
     ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--beta", type=float, default=0.1, help="--task dpo: DPO's beta (the sigmoid loss's scale)")
-    ap.add_argument("--rpo-alpha", type=float, default=0.0,
-                    help="--task dpo: weight of the chosen answer's NLL added to the DPO loss (RPO; 0: DPO alone)")
-    ap.add_argument("--lr", type=float, help="peak learning rate (default: text 5e-3, video 3e-3)")
-    ap.add_argument("--max-steps", type=int, help="optimizer steps (default: text 800, video 300)")
+    ap.add_argument("--beta", type=float, help="--task dpo: DPO's beta, the scale of its log-ratios (default 0.1)")
+    ap.add_argument("--rpo-alpha", type=float,
+                    help="--task dpo: weight of the chosen answer's NLL added to the DPO loss (RPO; default 0: DPO)")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: text 5e-3, video, dpo 3e-3)")
+    ap.add_argument("--max-steps", type=int, help="optimizer steps (default: text 800, video 300, dpo 100)")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--loss-chunk", type=int, default=1024,
@@ -71,7 +71,8 @@ def parse_args(argv=None):
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: only at the end)")
     ap.add_argument("--resume-from", help="a checkpoint directory written by --save-every")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-docs", type=int, help="held-out documents / videos evaluated (default: text 8, video 64)")
+    ap.add_argument("--eval-docs", type=int,
+                    help="held-out documents / videos / pairs evaluated (default: text 8, video, dpo 64)")
     ap.add_argument("--full-finetune", action="store_true",
                     help="train every parameter (no LoRA), sharded with FSDP2 over all processes (scripts/full_finetune.py)")
     args = ap.parse_args(argv)
@@ -83,16 +84,29 @@ def parse_args(argv=None):
                  f"follows --frames; {given[0]} is for --task text")
         if args.frames < 1:
             fail(f"--frames {args.frames} must be positive")
-    if args.task == "dpo":
-        given = [flag for flag, value in (("--model", args.model), ("--data", args.data),
-                                          ("--full-finetune", args.full_finetune)) if value]
-        if given:
-            fail(f"{', '.join(given)}: the dpo task trains the embedded tiny Llama with LoRA on preference pairs "
-                 f"generated after key documents; {given[0]} is for --task text")
+    check_dpo_options(args)
     for name, value in TASK_DEFAULTS[args.task].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
+
+
+def check_dpo_options(args) -> None:
+    """--beta / --rpo-alpha belong to --task dpo (set to their defaults there); the dpo task refuses what it ignores."""
+    given = [flag for flag, value in (("--beta", args.beta), ("--rpo-alpha", args.rpo_alpha)) if value is not None]
+    if args.task != "dpo":
+        if given:
+            fail(f"{', '.join(given)}: options of --task dpo (the task is {args.task})")
+        return
+    args.beta = 0.1 if args.beta is None else args.beta
+    args.rpo_alpha = args.rpo_alpha or 0.0
+    if args.beta <= 0 or args.rpo_alpha < 0:
+        fail(f"--beta {args.beta} must be positive and --rpo-alpha {args.rpo_alpha} at least 0")
+    given = [flag for flag, value in (("--model", args.model), ("--data", args.data),
+                                      ("--full-finetune", args.full_finetune)) if value]
+    if given:
+        fail(f"{', '.join(given)}: the dpo task trains the embedded tiny Llama with LoRA on preference pairs generated "
+             f"after key documents; {given[0]} is for --task text")
 
 
 def fail(msg: str):
@@ -264,7 +278,7 @@ def main(argv=None):
     if args.task == "video":
         model, dataset, collate, metric = video_setup(args)
     elif args.task == "dpo":
-        model, (dataset, collate, metric) = load_model_and_tokenizer(args)[0], (None, None, None)
+        model, _ = load_model_and_tokenizer(args)  # its data and metric: with the trainer, below
     else:
         model, tok = load_model_and_tokenizer(args)
         rows = pack(encode_docs(args, tok, texts), args.seq_len)
@@ -321,8 +335,8 @@ def main(argv=None):
     name, accuracy = metric
     before = accuracy(model, device)
     acc.print(f"hfcp: {acc.num_processes} processes, dp={dp_size} x cp={acc.num_processes // dp_size}, "
-              f"strategy={args.strategy}, {len(dataset)} {'pairs of rows up to' if args.task == 'dpo' else 'rows of'} {args.seq_len} tokens; {name} accuracy before: "
-              f"{before:.3f}")
+              f"strategy={args.strategy}, {len(dataset)} {'pairs of rows up to' if rows == 2 else 'rows of'} "
+              f"{args.seq_len} tokens; {name} accuracy before: {before:.3f}")
     trainer.train(resume_from_checkpoint=args.resume_from)
     if acc.is_main_process:
         model.save_pretrained(out_dir / "adapter")
