@@ -90,7 +90,8 @@ def preference_accuracy(model, tok, seq_len: int, n: int, seed: int, device) -> 
 
 def make_trainer(model, lora, training: dict, args, n_pairs: int, **hfcp_options):
     """HfcpDPOTrainer on the pairs: LoRA from `lora` (the reference is the policy with its adapter disabled), the
-    Trainer settings of the other tasks, DPO's sigmoid loss (beta 0.1). Returns (trainer, tokenizer)."""
+    Trainer settings of the other tasks, DPO's sigmoid loss (args.beta) plus args.rpo_alpha x the chosen answer's NLL
+    (RPO, TRL's "sft" loss type). Returns (trainer, tokenizer)."""
     from trl import DPOConfig
 
     from hfcp.integrations import HfcpDPOTrainer

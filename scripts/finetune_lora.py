@@ -42,7 +42,7 @@ from finetune_data import (  # noqa: E402
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_llama.json"
 TASK_DEFAULTS = {"text": dict(seq_len=2048, batch_size=1, lr=5e-3, max_steps=800, eval_docs=8),
                  "video": dict(seq_len=None, batch_size=8, lr=3e-3, max_steps=300, eval_docs=64),
-                 "dpo": dict(seq_len=512, batch_size=4, lr=3e-3, max_steps=100, eval_docs=64)}
+                 "dpo": dict(seq_len=256, batch_size=8, lr=5e-3, max_steps=250, eval_docs=64)}
 
 
 def parse_args(argv=None):
@@ -52,17 +52,17 @@ def parse_args(argv=None):
                          "dpo: preference pairs after long documents (the right key preferred over a wrong one)")
     ap.add_argument("--model", help="local checkpoint directory (default: embedded tiny Llama, random weights)")
     ap.add_argument("--data", help="directory of .txt files or .jsonl with 'text' (default: embedded corpus)")
-    ap.add_argument("--seq-len", type=int, help="packed row length (default 2048; dpo: a pair's rows, 512)")
+    ap.add_argument("--seq-len", type=int, help="packed row length (default 2048; dpo: a pair's rows, 256)")
     ap.add_argument("--frames", type=int, default=16, help="--task video: frames per video (4 tokens each)")
     ap.add_argument("--batch-size", type=int, help="rows per CP group per micro-step (default: text 1, video 8)")
     ap.add_argument("--cp-size", type=int, default=None, help="ranks per CP group (default: all processes)")
     ap.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses", "usp"])
     ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--beta", type=float, help="--task dpo: DPO's beta, the scale of its log-ratios (default 0.1)")
+    ap.add_argument("--beta", type=float, help="--task dpo: DPO's beta, the scale of its log-ratios (default 0.5)")
     ap.add_argument("--rpo-alpha", type=float,
-                    help="--task dpo: weight of the chosen answer's NLL added to the DPO loss (RPO; default 0: DPO)")
-    ap.add_argument("--lr", type=float, help="peak learning rate (default: text 5e-3, video, dpo 3e-3)")
-    ap.add_argument("--max-steps", type=int, help="optimizer steps (default: text 800, video 300, dpo 100)")
+                    help="--task dpo: weight of the chosen answer's NLL added to the DPO loss (RPO; default 1; 0: DPO)")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: text, dpo 5e-3, video 3e-3)")
+    ap.add_argument("--max-steps", type=int, help="optimizer steps (default: text 800, video 300, dpo 250)")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--loss-chunk", type=int, default=1024,
@@ -98,8 +98,8 @@ def check_dpo_options(args) -> None:
         if given:
             fail(f"{', '.join(given)}: options of --task dpo (the task is {args.task})")
         return
-    args.beta = 0.1 if args.beta is None else args.beta
-    args.rpo_alpha = args.rpo_alpha or 0.0
+    args.beta = 0.5 if args.beta is None else args.beta
+    args.rpo_alpha = 1.0 if args.rpo_alpha is None else args.rpo_alpha
     if args.beta <= 0 or args.rpo_alpha < 0:
         fail(f"--beta {args.beta} must be positive and --rpo-alpha {args.rpo_alpha} at least 0")
     given = [flag for flag, value in (("--model", args.model), ("--data", args.data),

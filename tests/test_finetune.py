@@ -112,7 +112,7 @@ BAD_INPUTS = {
     "dpo_data": (["--task", "dpo", "--data", "{empty}"], {}, "--data: the dpo task trains the embedded tiny Llama"),
     "dpo_model": (["--task", "dpo", "--model", "/nonexistent/ckpt"], {}, "--model: the dpo task trains"),
     "dpo_full": (["--task", "dpo", "--full-finetune"], {}, "--full-finetune: the dpo task trains"),
-    "dpo_beta": (["--task", "dpo", "--beta", "0"], {}, "--beta 0.0 must be positive and --rpo-alpha 0.0 at least 0"),
+    "dpo_beta": (["--task", "dpo", "--beta", "0"], {}, "--beta 0.0 must be positive and --rpo-alpha 1.0 at least 0"),
     "dpo_option_elsewhere": (["--rpo-alpha", "1"], {}, "--rpo-alpha: options of --task dpo (the task is text)"),
     "dpo_seq_len": (["--task", "dpo", "--seq-len", "64"], {}, "--seq-len 64 must be at least 128 (a key document"),
 }
