@@ -23,9 +23,9 @@ def byte_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the printable stand-in of each byte
-    to_char = {b: c for b, c in zip(range(256), _byte_level_chars()) if c in byte_chars}
-    vocab = {c: b for b, c in to_char.items()} | {"<bos>": ByteTokenizer.bos_token_id,
+    chars = _byte_level_chars()  # the printable stand-in of each byte, as the ByteLevel pre-tokenizer writes it
+    assert set(chars) == set(pre_tokenizers.ByteLevel.alphabet()), "tokenizers' byte-level alphabet changed"
+    vocab = {c: b for b, c in enumerate(chars)} | {"<bos>": ByteTokenizer.bos_token_id,
                                                    "<eos>": ByteTokenizer.eos_token_id, "<pad>": PAD}
     tok = Tokenizer(models.BPE(vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

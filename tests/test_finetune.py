@@ -156,3 +156,16 @@ def test_dpo_task_cp2_losses_equal_single_process(runs):
     assert {"step", "loss", "tokens_per_s", "peak_mem_mb", "lr"} <= rec.keys() and rec["step"] == 3, rec
     assert (runs / "dpo_cp2" / "loss_curve.png").stat().st_size > 1000
     assert (runs / "dpo_cp2" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_dpo_tokenizer_gives_the_byte_tokenizer_ids(monkeypatch):
+    """--task dpo hands DPOTrainer a transformers tokenizer: its ids are the embedded byte tokenizer's (BOS first,
+    every byte, the EOS token as text), so the pairs are the key documents the model reads in the text task."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import dpo_task
+    from finetune_data import ByteTokenizer
+
+    tok, text = dpo_task.byte_tokenizer(), "key ABC. the river \n\t é ü \x01\x7f so the key is ABC."
+    assert tok(text)["input_ids"] == ByteTokenizer()(text)["input_ids"]
+    assert tok(text + tok.eos_token)["input_ids"][-1] == ByteTokenizer.eos_token_id == tok.eos_token_id
+    assert tok.pad_token_id == dpo_task.PAD and tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
