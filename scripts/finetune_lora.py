@@ -13,6 +13,12 @@ accuracy of those key characters, generated after held-out documents).
 --task video: a tiny Qwen2-VL (scripts/configs/tiny_qwen2_vl.json, random weights) on generated videos, one
 frame of which is coloured; the question after the video asks for that colour (metric: the share of held-out
 videos answered right, scripts/video_task.py).
+
+    accelerate launch --multi_gpu --num_processes 2 scripts/finetune_lora.py --task dpo
+
+--task dpo: DPO (hfcp.integrations.HfcpDPOTrainer) on the embedded tiny Llama with preference pairs after key
+documents: the chosen answer repeats the document's key, the rejected one gives a wrong key (metric: the share of
+held-out pairs whose chosen answer the policy gives the higher log-probability, scripts/dpo_task.py).
 """
 from __future__ import annotations
 
@@ -35,23 +41,28 @@ from finetune_data import (  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_llama.json"
 TASK_DEFAULTS = {"text": dict(seq_len=2048, batch_size=1, lr=5e-3, max_steps=800, eval_docs=8),
-                 "video": dict(seq_len=None, batch_size=8, lr=3e-3, max_steps=300, eval_docs=64)}
+                 "video": dict(seq_len=None, batch_size=8, lr=3e-3, max_steps=300, eval_docs=64),
+                 "dpo": dict(seq_len=256, batch_size=8, lr=5e-3, max_steps=250, eval_docs=64)}
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", choices=["text", "video"], default="text",
-                    help="text: long documents (key copy); video: a tiny VLM answers a question about a video")
+    ap.add_argument("--task", choices=["text", "video", "dpo"], default="text",
+                    help="text: long documents (key copy); video: a tiny VLM answers a question about a video; "
+                         "dpo: preference pairs after long documents (the right key preferred over a wrong one)")
     ap.add_argument("--model", help="local checkpoint directory (default: embedded tiny Llama, random weights)")
     ap.add_argument("--data", help="directory of .txt files or .jsonl with 'text' (default: embedded corpus)")
-    ap.add_argument("--seq-len", type=int, help="packed row length (text task; default 2048)")
+    ap.add_argument("--seq-len", type=int, help="packed row length (default 2048; dpo: a pair's rows, 256)")
     ap.add_argument("--frames", type=int, default=16, help="--task video: frames per video (4 tokens each)")
     ap.add_argument("--batch-size", type=int, help="rows per CP group per micro-step (default: text 1, video 8)")
     ap.add_argument("--cp-size", type=int, default=None, help="ranks per CP group (default: all processes)")
     ap.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses", "usp"])
     ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--lr", type=float, help="peak learning rate (default: text 5e-3, video 3e-3)")
-    ap.add_argument("--max-steps", type=int, help="optimizer steps (default: text 800, video 300)")
+    ap.add_argument("--beta", type=float, help="--task dpo: DPO's beta, the scale of its log-ratios (default 0.5)")
+    ap.add_argument("--rpo-alpha", type=float,
+                    help="--task dpo: weight of the chosen answer's NLL added to the DPO loss (RPO; default 1; 0: DPO)")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: text, dpo 5e-3, video 3e-3)")
+    ap.add_argument("--max-steps", type=int, help="optimizer steps (default: text 800, video 300, dpo 250)")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--loss-chunk", type=int, default=1024,
@@ -60,7 +71,8 @@ def parse_args(argv=None):
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: only at the end)")
     ap.add_argument("--resume-from", help="a checkpoint directory written by --save-every")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-docs", type=int, help="held-out documents / videos evaluated (default: text 8, video 64)")
+    ap.add_argument("--eval-docs", type=int,
+                    help="held-out documents / videos / pairs evaluated (default: text 8, video, dpo 64)")
     ap.add_argument("--full-finetune", action="store_true",
                     help="train every parameter (no LoRA), sharded with FSDP2 over all processes (scripts/full_finetune.py)")
     args = ap.parse_args(argv)
@@ -72,10 +84,29 @@ def parse_args(argv=None):
                  f"follows --frames; {given[0]} is for --task text")
         if args.frames < 1:
             fail(f"--frames {args.frames} must be positive")
+    check_dpo_options(args)
     for name, value in TASK_DEFAULTS[args.task].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
+
+
+def check_dpo_options(args) -> None:
+    """--beta / --rpo-alpha belong to --task dpo (set to their defaults there); the dpo task refuses what it ignores."""
+    given = [flag for flag, value in (("--beta", args.beta), ("--rpo-alpha", args.rpo_alpha)) if value is not None]
+    if args.task != "dpo":
+        if given:
+            fail(f"{', '.join(given)}: options of --task dpo (the task is {args.task})")
+        return
+    args.beta = 0.5 if args.beta is None else args.beta
+    args.rpo_alpha = 1.0 if args.rpo_alpha is None else args.rpo_alpha
+    if args.beta <= 0 or args.rpo_alpha < 0:
+        fail(f"--beta {args.beta} must be positive and --rpo-alpha {args.rpo_alpha} at least 0")
+    given = [flag for flag, value in (("--model", args.model), ("--data", args.data),
+                                      ("--full-finetune", args.full_finetune)) if value]
+    if given:
+        fail(f"{', '.join(given)}: the dpo task trains the embedded tiny Llama with LoRA on preference pairs generated "
+             f"after key documents; {given[0]} is for --task text")
 
 
 def fail(msg: str):
@@ -99,8 +130,9 @@ def validate(args, world: int) -> list[str] | None:
              f"positive")
     if args.task == "video":
         return None
-    if args.seq_len < 2:
-        fail(f"--seq-len {args.seq_len} must be at least 2")
+    if args.seq_len < (128 if args.task == "dpo" else 2):
+        fail(f"--seq-len {args.seq_len} must be at least {128 if args.task == 'dpo' else 2}"
+             + (" (a key document, its question and answer)" if args.task == "dpo" else ""))
     config = json.loads(((Path(args.model) / "config.json") if args.model else CONFIG).read_text())
     limit = config.get("max_position_embeddings")
     if limit is not None and args.seq_len > limit:
@@ -245,6 +277,8 @@ def main(argv=None):
 
     if args.task == "video":
         model, dataset, collate, metric = video_setup(args)
+    elif args.task == "dpo":
+        model, _ = load_model_and_tokenizer(args)  # its data and metric: with the trainer, below
     else:
         model, tok = load_model_and_tokenizer(args)
         rows = pack(encode_docs(args, tok, texts), args.seq_len)
@@ -263,10 +297,8 @@ def main(argv=None):
     lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                       modules_to_save=None if args.model else ["embed_tokens", "lm_head"])
-    torch.manual_seed(args.seed)
-    model = get_peft_model(model, lora)
     out_dir = Path(args.output_dir)
-    training = TrainingArguments(
+    training = dict(
         output_dir=str(out_dir), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
         max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=max(1, min(50, args.max_steps // 10)),
@@ -275,8 +307,20 @@ def main(argv=None):
         use_cpu=not torch.cuda.is_available(), dataloader_drop_last=False, ddp_find_unused_parameters=False,
     )
     given = {"cp_size": args.cp_size} if args.cp_size else {}  # else the whole world, or an accelerate layout's cp
-    trainer = HfcpTrainer(model=model, args=training, train_dataset=dataset, data_collator=collate, **given,
-                          strategy=args.strategy, loss_chunk=args.loss_chunk or None)
+    hfcp_options = dict(**given, strategy=args.strategy, loss_chunk=args.loss_chunk or None)
+    if args.task == "dpo":  # DPOTrainer makes the LoRA model itself (its reference: the adapter disabled)
+        import dpo_task
+
+        n_pairs = max(64, args.max_steps * args.batch_size * args.grad_accum)  # the same pairs for any layout
+        trainer, tok = dpo_task.make_trainer(model, lora, training, args, n_pairs, **hfcp_options)
+        model, dataset = trainer.model, trainer.train_dataset
+        metric = ("preference", lambda m, device: dpo_task.preference_accuracy(m, tok, args.seq_len, args.eval_docs,
+                                                                               args.seed, device))
+    else:
+        torch.manual_seed(args.seed)
+        model = get_peft_model(model, lora)
+        trainer = HfcpTrainer(model=model, args=TrainingArguments(**training), train_dataset=dataset,
+                              data_collator=collate, **hfcp_options)
     acc, device = trainer.accelerator, trainer.args.device
     dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)
     start_step = json.loads((Path(args.resume_from) / "trainer_state.json").read_text())["global_step"] \
@@ -284,14 +328,15 @@ def main(argv=None):
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
     trainer.remove_callback(ProgressCallback)  # the recorder's bar shows loss, tokens/s and memory instead
-    trainer.add_callback(make_recorder(out_dir, start_step, args.seq_len * args.batch_size * args.grad_accum * dp_size,
-                                       device, acc.is_main_process))
+    rows = 2 if args.task == "dpo" else 1  # a DPO pair: its chosen and its rejected row, each up to --seq-len
+    trainer.add_callback(make_recorder(out_dir, start_step, rows * args.seq_len * args.batch_size * args.grad_accum
+                                       * dp_size, device, acc.is_main_process))
 
     name, accuracy = metric
     before = accuracy(model, device)
     acc.print(f"hfcp: {acc.num_processes} processes, dp={dp_size} x cp={acc.num_processes // dp_size}, "
-              f"strategy={args.strategy}, {len(dataset)} rows of {args.seq_len} tokens; {name} accuracy before: "
-              f"{before:.3f}")
+              f"strategy={args.strategy}, {len(dataset)} {'pairs of rows up to' if rows == 2 else 'rows of'} "
+              f"{args.seq_len} tokens; {name} accuracy before: {before:.3f}")
     trainer.train(resume_from_checkpoint=args.resume_from)
     if acc.is_main_process:
         model.save_pretrained(out_dir / "adapter")

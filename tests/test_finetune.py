@@ -1,5 +1,6 @@
 """End-to-end: scripts/finetune_lora.py under accelerate launch (2 CPU processes) vs one process."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ COMMON = ["--seq-len", "256", "--max-steps", "4", "--save-every", "2", "--lora-r
 
 VIDEO = ["--task", "video", "--frames", "8", "--batch-size", "2", "--max-steps", "3", "--lora-r", "4",
          "--eval-docs", "2"]
+DPO = ["--task", "dpo", "--seq-len", "256", "--batch-size", "2", "--max-steps", "3", "--lora-r", "4",
+       "--eval-docs", "4", "--beta", "0.2", "--rpo-alpha", "0.5"]  # RPO: DPO's sigmoid loss + 0.5 x the chosen NLL
 
 
 def _run(cmd, **env):
@@ -28,8 +31,8 @@ def _losses(out_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The LoRA job in one process and at cp 2, the video task likewise (all four at the same time), then a cp 2
-    run resumed from the first one's checkpoint."""
+    """The LoRA job in one process and at cp 2, the video and dpo tasks likewise (all six at the same time), then a
+    cp 2 run resumed from the first one's checkpoint."""
     d = tmp_path_factory.mktemp("ft")
     # cp 2 from an accelerate config file that sets FSDP2 and a ParallelismConfig (cp_size 2): accelerate alone would
     # refuse it on CPU (its ParallelismConfig needs FSDP2, which it enables only on accelerators); HfcpTrainer takes
@@ -41,6 +44,8 @@ def runs(tmp_path_factory):
                 "0", SCRIPT, *COMMON, "--output-dir", str(d / "cp2")],
         "video_single": [sys.executable, SCRIPT, *VIDEO, "--output-dir", str(d / "video_single")],
         "video_cp2": [*LAUNCH, SCRIPT, *VIDEO, "--output-dir", str(d / "video_cp2")],
+        "dpo_single": [sys.executable, SCRIPT, *DPO, "--output-dir", str(d / "dpo_single")],
+        "dpo_cp2": [*LAUNCH, SCRIPT, *DPO, "--output-dir", str(d / "dpo_cp2")],
     }, d)
     for name, r in first.items():
         assert r.returncode == 0, (name, r.stderr[-3000:])
@@ -104,6 +109,12 @@ BAD_INPUTS = {
     "video_seq_len": (["--task", "video", "--seq-len", "512"], {},
                       "--seq-len: the video task runs the embedded tiny VLM"),
     "video_frames": (["--task", "video", "--frames", "0"], {}, "--frames 0 must be positive"),
+    "dpo_data": (["--task", "dpo", "--data", "{empty}"], {}, "--data: the dpo task trains the embedded tiny Llama"),
+    "dpo_model": (["--task", "dpo", "--model", "/nonexistent/ckpt"], {}, "--model: the dpo task trains"),
+    "dpo_full": (["--task", "dpo", "--full-finetune"], {}, "--full-finetune: the dpo task trains"),
+    "dpo_beta": (["--task", "dpo", "--beta", "0"], {}, "--beta 0.0 must be positive and --rpo-alpha 1.0 at least 0"),
+    "dpo_option_elsewhere": (["--rpo-alpha", "1"], {}, "--rpo-alpha: options of --task dpo (the task is text)"),
+    "dpo_seq_len": (["--task", "dpo", "--seq-len", "64"], {}, "--seq-len 64 must be at least 128 (a key document"),
 }
 
 
@@ -127,3 +138,34 @@ def test_video_task_cp2_losses_equal_single_process(runs):
     summary = json.loads((runs / "video_cp2" / "summary.json").read_text())
     assert {"answer_accuracy_before", "answer_accuracy_after"} <= summary.keys()
     assert summary["adapter_identical_on_all_ranks"] is True
+
+
+def test_dpo_task_cp2_losses_equal_single_process(runs):
+    """--task dpo: HfcpDPOTrainer on preference pairs after key documents (the right key chosen, a wrong one
+    rejected): the losses of 2 processes (cp 2) are those of one process, and so is the preference accuracy (each
+    answer's log-probability summed over the CP group)."""
+    a, b = _losses(runs / "dpo_single"), _losses(runs / "dpo_cp2")
+    assert len(a) == len(b) == 3 and a[0] > math.log(2) and a[-1] < a[0], (a, b)  # RPO's NLL term; it falls
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-5 * abs(x), (a, b)
+    summaries = [json.loads((runs / r / "summary.json").read_text()) for r in ("dpo_single", "dpo_cp2")]
+    for key in ("preference_accuracy_before", "preference_accuracy_after"):
+        assert summaries[0][key] == summaries[1][key], summaries
+    assert summaries[1]["adapter_identical_on_all_ranks"] is True
+    rec = json.loads((runs / "dpo_cp2" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"step", "loss", "tokens_per_s", "peak_mem_mb", "lr"} <= rec.keys() and rec["step"] == 3, rec
+    assert (runs / "dpo_cp2" / "loss_curve.png").stat().st_size > 1000
+    assert (runs / "dpo_cp2" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_dpo_tokenizer_gives_the_byte_tokenizer_ids(monkeypatch):
+    """--task dpo hands DPOTrainer a transformers tokenizer: its ids are the embedded byte tokenizer's (BOS first,
+    every byte, the EOS token as text), so the pairs are the key documents the model reads in the text task."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import dpo_task
+    from finetune_data import ByteTokenizer
+
+    tok, text = dpo_task.byte_tokenizer(), "key ABC. the river \n\t é ü \x01\x7f so the key is ABC."
+    assert tok(text)["input_ids"] == ByteTokenizer()(text)["input_ids"]
+    assert tok(text + tok.eos_token)["input_ids"][-1] == ByteTokenizer.eos_token_id == tok.eos_token_id
+    assert tok.pad_token_id == dpo_task.PAD and tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
