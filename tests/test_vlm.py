@@ -60,10 +60,12 @@ def test_vlm_videos_of_frame_towers(pool2, model_type):
     """LLaVA-NeXT-Video, LLaVA-OneVision and Video-LLaVA encode a video's frames with their image tower (along dim 0,
     so split over the ranks) and pool or concatenate them: two rows with a video of 4 frames each, one straddling
     the zigzag cut (the tiny models of the VLM sweep)."""
-    import sweep_vlms
-    from hfcp.testing.tiny_vlm import video_batch
+    import functools
 
-    for r in pool2.run(sweep_vlms._compare, model_type, video_batch):
+    import sweep_vlms
+    from hfcp.testing.tiny_vlm import tiny_vlm, video_batch
+
+    for r in pool2.run(sweep_vlms._compare, functools.partial(tiny_vlm, model_type), video_batch):
         assert r["result"] == "exact", r
 
 
