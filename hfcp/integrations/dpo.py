@@ -46,7 +46,7 @@ class HfcpDPOTrainer(HfcpTrainerMixin, DPOTrainer):
         self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)
         self._hfcp_options = dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
                                   check_inputs=check_inputs)
-        super().__init__(*args, **kwargs)
+        super(HfcpTrainerMixin, self).__init__(*args, **kwargs)  # DPOTrainer's; the patch follows in _hfcp_setup
         self._hfcp_setup()
 
     def _hfcp_setup(self) -> None:

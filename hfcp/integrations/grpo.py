@@ -130,7 +130,7 @@ class HfcpGRPOTrainer(HfcpTrainerMixin, GRPOTrainer):
         generation_batch_per_dp_group(args, data_parallel_groups(model, args, cp_size))
         args.ddp_find_unused_parameters = False  # (the Trainer's default is True without gradient checkpointing)
         self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)  # read when the parent creates the Accelerator
-        super().__init__(model, reward_funcs, args, *more, **kwargs)
+        super(HfcpTrainerMixin, self).__init__(model, reward_funcs, args, *more, **kwargs)  # GRPOTrainer's
         self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
                              check_inputs=check_inputs))
         state = cp_state(self.model)

@@ -23,7 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICA
 
 from ..distributed.data import data_parallel_rank_and_size
 from ..state import cp_state, find_pretrained
-from .trainer import UNSET, HfcpTrainerMixin
+from .trainer import HfcpTrainerMixin
 
 
 class HfcpRewardTrainer(HfcpTrainerMixin, RewardTrainer):
@@ -36,14 +36,6 @@ class HfcpRewardTrainer(HfcpTrainerMixin, RewardTrainer):
     Raises:
         ValueError: what HfcpTrainer refuses, and a model that is not a sequence classifier.
     """
-
-    def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
-                 **kwargs):
-        # read with the layout, when the parent's __init__ creates the Accelerator
-        self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)
-        super().__init__(*args, **kwargs)
-        self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
-                             check_inputs=check_inputs))
 
     def _hfcp_refuse_unsupported(self) -> None:
         inner = find_pretrained(self.model)

@@ -15,7 +15,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import torch
 
 from ..state import cp_state
-from .trainer import UNSET, HfcpTrainerMixin
+from .trainer import HfcpTrainerMixin
 
 
 class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
@@ -25,14 +25,6 @@ class HfcpSFTTrainer(HfcpTrainerMixin, SFTTrainer):
     Raises:
         ValueError: what HfcpTrainer refuses, and loss_type other than "nll" or an MoE auxiliary loss.
     """
-
-    def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
-                 **kwargs):
-        # read with the layout, when the parent's __init__ creates the Accelerator
-        self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)
-        super().__init__(*args, **kwargs)
-        self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
-                             check_inputs=check_inputs))
 
     def _hfcp_refuse_unsupported(self) -> None:
         problems = []

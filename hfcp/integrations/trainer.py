@@ -31,6 +31,16 @@ log = logging.getLogger("hfcp")
 class HfcpTrainerMixin(EvaluationMixin):
     """The overrides shared by HfcpTrainer and HfcpSFTTrainer; put it before the Trainer class in the bases."""
 
+    def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
+                 **kwargs):
+        """The Trainer's arguments, plus hfcp.patch's options (UNSET: not given): the model is patched once the
+        parent's __init__ has made the Accelerator and the process group."""
+        # read with the layout, when the parent's __init__ creates the Accelerator
+        self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)
+        super().__init__(*args, **kwargs)
+        self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
+                             check_inputs=check_inputs))
+
     def _hfcp_init(self, patch_options: dict) -> None:
         """After the parent's __init__ (the process group exists then): patch the model, refuse what is not exact.
 
@@ -239,11 +249,3 @@ class HfcpTrainer(HfcpTrainerMixin, Trainer):
             split_batches, dispatch_batches, model_init, a tensor-parallel model), and ParallelismConfig layouts it
             cannot run (see hfcp.integrations.parallelism).
     """
-
-    def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
-                 **kwargs):
-        # read with the layout, when the parent's __init__ creates the Accelerator
-        self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)
-        super().__init__(*args, **kwargs)
-        self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
-                             check_inputs=check_inputs))
