@@ -110,3 +110,14 @@ def test_grpo_refusals_on_every_rank(pool2):
     first, second = pool2.run(W.grpo_refused, "reward error", timeout=120)
     assert first.startswith("KeyError") and "no such column" in first, first
     assert second.startswith("RuntimeError") and "no such column" in second and "rank 0" in second, second
+
+
+def test_grpo_explicit_generation_batch_is_said(pool2):
+    """GRPOConfig divides an explicit generation_batch_size over all processes; under CP a CP group shares one
+    batch, so the batch taken (and the steps_per_generation that would give the asked one) is said in a warning.
+    Left unset, the generation batch is per_device x DP groups x gradient_accumulation_steps, and nothing is said."""
+    for size, steps, logged in pool2.run(W.grpo_generation_batch, {"generation_batch_size": 16}, timeout=120):
+        assert (size, steps) == (8, 2), (size, steps)  # GRPOConfig: 16 / (4 x 2 processes) = 2 steps
+        assert "generates 8 completions" in logged and "steps_per_generation=4" in logged, logged
+    for size, steps, logged in pool2.run(W.grpo_generation_batch, {"gradient_accumulation_steps": 2}, timeout=120):
+        assert (size, steps, logged) == (8, 2, ""), (size, steps, logged)

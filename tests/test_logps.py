@@ -65,6 +65,8 @@ def test_refusals_on_every_rank(pool2):
         assert "values other than 0 and 1" in r["weights"], r
         assert "different batches (logps labels)" in r["different labels"], r
         assert r["after"] == [16, 16], r  # no rank left behind in a collective
+        assert "find_unused_parameters=False" in r["ddp find_unused=True"], r
+        assert r["ddp find_unused=False"] == "", r
         assert "an output of an earlier forward" in r["stale gather"], r
         assert "needs a causal LM" in r["base model"] and "LlamaModel" in r["base model"], r
         assert "cannot read what the forward of ShiftedLlama" in r["unread transform"], r

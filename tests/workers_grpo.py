@@ -157,3 +157,25 @@ def grpo_refused(kind: str) -> str:
         except Exception as e:  # noqa: BLE001 - the test reads it
             return f"{type(e).__name__}: {e}"
     return "nothing raised"
+
+
+def grpo_generation_batch(overrides: dict) -> tuple[int, int, str]:
+    """(generation_batch_size, steps_per_generation, what hfcp logged) of an HfcpGRPOTrainer built with these
+    GRPOConfig overrides (per_device 4, groups of 4)."""
+    import logging
+
+    from hfcp.integrations import HfcpGRPOTrainer
+
+    _reset_accelerate()
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("hfcp").addHandler(handler)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            trainer = HfcpGRPOTrainer(model=tiny_llama(), reward_funcs=key_repeated,
+                                      args=grpo_args(out, 4, **overrides), train_dataset=prompts(32),
+                                      processing_class=word_tokenizer())
+    finally:
+        logging.getLogger("hfcp").removeHandler(handler)
+    return trainer.args.generation_batch_size, trainer.args.steps_per_generation, "\n".join(logged)

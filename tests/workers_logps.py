@@ -140,6 +140,10 @@ def refusals(case: dict) -> dict:
     out["different labels"] = message(lambda: hfcp.sequence_logps(model, labels=other, **batch))
     kept = hfcp.sequence_logps(model, labels=labels, **batch)
     out["after"] = kept.counts.tolist()  # still in step
+    for find_unused in (True, False):  # DDP that looks for unused parameters would fail in backward; without, works
+        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
+        out[f"ddp find_unused={find_unused}"] = message(
+            lambda: hfcp.sequence_logps(ddp, labels=labels, **batch).sums.sum().backward())
     model(**batch)  # another forward: the kept per-token values' layout is gone
     out["stale gather"] = message(lambda: hfcp.gather_sequence(kept.token_logps, model))
     hfcp.unpatch(model)

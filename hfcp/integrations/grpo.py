@@ -22,6 +22,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import dataclasses
 import inspect
+import logging
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from .trainer import UNSET, HfcpTrainerMixin
 # every loss type of TRL 1.16, each verified against GRPOTrainer in one process (tests/test_grpo_trainer.py)
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 _TRL_MODULE = GRPOTrainer.__module__  # where GRPOTrainer's gather / gather_object are looked up
+log = logging.getLogger("hfcp")
 
 
 def settings_problems(args, given: dict) -> list[str]:
@@ -87,8 +89,19 @@ def data_parallel_groups(model, args, cp_size) -> int:
 def generation_batch_per_dp_group(args, dp: int) -> None:
     """GRPOConfig sizes the generation batch by the number of processes; the ranks of a CP group share one batch, so
     it is per_device_train_batch_size x DP groups x steps_per_generation (steps_per_generation kept). The evaluation
-    batch (per_device_eval_batch_size x DP groups) is checked to hold whole groups as GRPOConfig checks it."""
+    batch (per_device_eval_batch_size x DP groups) is checked to hold whole groups as GRPOConfig checks it.
+    GRPOConfig leaves no trace of which of generation_batch_size / steps_per_generation a user set; when one was
+    (steps_per_generation is not gradient_accumulation_steps) under CP, the batch taken is said in a warning."""
+    counted_by_trl = args.generation_batch_size
     args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
+    cp = args.world_size // dp
+    if cp > 1 and args.steps_per_generation != args.gradient_accumulation_steps:
+        log.warning(f"HfcpGRPOTrainer generates {args.generation_batch_size} completions per generation "
+                    f"(per_device_train_batch_size={args.per_device_train_batch_size} x {dp} DP groups x "
+                    f"steps_per_generation={args.steps_per_generation}): the {cp} ranks of a CP group share one "
+                    f"batch. GRPOConfig counted {counted_by_trl} over all {args.world_size} processes; if you set "
+                    f"generation_batch_size={counted_by_trl}, set steps_per_generation="
+                    f"{args.steps_per_generation * cp} instead for that many completions")
     if args.generation_batch_size % args.num_generations:
         raise ValueError(f"the generation batch of {args.per_device_train_batch_size} (per_device_train_batch_size) x "
                          f"{dp} (DP groups) x {args.steps_per_generation} (steps_per_generation) = "

@@ -84,6 +84,21 @@ def _head_and_transform(inner, state):
     return head, transform
 
 
+def _check_wrappers(model) -> None:
+    """DDP looking for unused parameters marks the output head unused when the forward returns (hfcp runs the head
+    after it), then fails in backward when the head's gradient arrives; refused before it starts."""
+    m = model
+    for _ in range(8):
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel) and m.find_unused_parameters:
+            raise ValueError("hfcp.sequence_logps runs the output head after the model's forward, which "
+                             "DistributedDataParallel(find_unused_parameters=True) takes for unused (its backward then "
+                             "fails); wrap the model with find_unused_parameters=False (with a Trainer: "
+                             "ddp_find_unused_parameters=False)")
+        m = getattr(m, "module", None)
+        if not isinstance(m, torch.nn.Module):
+            return
+
+
 def _check_options(temperature, chunk, model_kwargs: dict) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature={temperature!r} must be a positive number")
@@ -165,7 +180,8 @@ def sequence_logps(model, input_ids: torch.Tensor | None = None, labels: torch.T
 
     Raises:
         ValueError, on every rank before any collective: not a causal LM, a vision-language model, an output head
-            hfcp cannot read (an unrecognised logit transform, a tensor-parallel head), labels / logits_to_keep /
+            hfcp cannot read (an unrecognised logit transform, a tensor-parallel head), DDP with
+            find_unused_parameters=True, labels / logits_to_keep /
             hfcp_loss_chunk among model_kwargs, a bad temperature or chunk; after the same-batch check: no input_ids
             nor inputs_embeds, inputs_embeds without labels, labels or mask of the wrong shape, a label outside the vocabulary, a mask with values other than 0 / 1, ranks of a
             CP group with different labels or mask.
@@ -173,6 +189,7 @@ def sequence_logps(model, input_ids: torch.Tensor | None = None, labels: torch.T
     inner = find_pretrained(model)
     state = cp_state(inner)
     head, transform = _head_and_transform(inner, state)
+    _check_wrappers(model)
     _check_options(temperature, chunk, model_kwargs)
     if state is not None and state.check_inputs:  # the model's hook checks its inputs' values; these, what it cannot
         seen = {"logps labels": labels, "logps mask": mask, "logps inputs": (input_ids is None, sorted(model_kwargs))}
