@@ -58,7 +58,8 @@ def check_call(kw: dict) -> dict | None:
     return outer_masks
 
 
-def _vocab(module, which: str) -> int:
+def vocab_size(module, which: str) -> int:
+    """The input or output vocabulary of a model (its embedding's rows; a DeepSpeed ZeRO-3 weight's full shape)."""
     layer = module.get_input_embeddings() if which == "input" else module.get_output_embeddings()
     weight = getattr(layer, "weight", None)
     if not isinstance(weight, torch.Tensor):
@@ -87,7 +88,7 @@ def check_lm_batch(module, kw: dict, labels_kind: str | None):
         raise ValueError(f"inputs_embeds has shape {tuple(embeds.shape)}; hfcp needs (batch, seq, hidden)")
     x = ids if ids is not None else embeds
     if ids is not None:
-        check_token_range("input_ids", ids, _vocab(module, "input"))
+        check_token_range("input_ids", ids, vocab_size(module, "input"))
     check_shapes({k: v for k, v in kw.items() if k != "labels"} if labels_kind == "sequence" else kw, *x.shape[:2])
     take_packed_lengths(kw, *x.shape[:2])
     if labels_kind == "token":
@@ -100,7 +101,7 @@ def check_lm_batch(module, kw: dict, labels_kind: str | None):
         return x, None, None
     if not isinstance(ignore, int) or isinstance(ignore, bool):
         raise ValueError(f"ignore_index={ignore!r} must be an int")
-    vocab = _vocab(module, "output")
+    vocab = vocab_size(module, "output")
     if shifted is None:  # as transformers: labels[:, 0] is never a target
         check_token_range("labels[:, 1:]", labels[:, 1:], vocab, ignore)
         shifted = shift_labels(labels, ignore)

@@ -21,7 +21,7 @@ from ..api import gather_sequence
 from ..checks import check_same_batch
 from ..hooks.causal_lm import DEFAULT_LOSS_CHUNK
 from ..loss.linear_ce import IGNORE_INDEX, chunk_starts
-from ..loss.logps import _head_and_transform, _last_hidden_states, _targets
+from ..loss.head_input import last_hidden_states, output_head, shifted_targets
 from ..loss.target_logps import LinearTargetLogps, with_temperature
 from ..state import cp_state, find_pretrained
 
@@ -102,14 +102,14 @@ def cp_fused_outputs(model, labels: torch.Tensor, temperature: float = 1.0, chun
 
     inner = find_pretrained(model)
     state = cp_state(inner)
-    head, transform = _head_and_transform(inner, state)
+    head, transform = output_head(inner, state)
     if state is not None and state.check_inputs:  # the hook checks the model's inputs; the labels are ours
         check_same_batch({"fused head labels": labels}, state.mesh.cp_group, ("fused head labels",))
     input_ids = kwargs.get("input_ids")
     x = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
     # counted as TRL counts them: labels != -100 (padding is -100 in every TRL collator)
-    targets = _targets(inner, x, labels, None, None)  # (B, L), shifted
-    hidden, output = _last_hidden_states(inner, head, {k: v for k, v in kwargs.items() if v is not None})
+    targets = shifted_targets(inner, x, labels, None, None)  # (B, L), shifted
+    hidden, output = last_hidden_states(inner, head, {k: v for k, v in kwargs.items() if v is not None})
     local = (targets if state is None else state.step.local(targets, fill=IGNORE_INDEX)).to(hidden.device)  # (B, n)
     B, n = local.shape
     flat_h, flat_t = hidden.reshape(B * n, -1), local.reshape(-1)

@@ -1,7 +1,6 @@
 """Per-sequence log-probabilities of given target tokens (what DPO, KTO, GRPO read) without whole logits.
 
-`sequence_logps` runs a causal LM to its last hidden states (its output head is replaced, for that one call, by a
-stand-in that keeps them and returns no logits), then takes log p(target) chunk by chunk through the head
+`sequence_logps` runs a causal LM to its last hidden states (head_input.py), then takes log p(target) chunk by chunk through the head
 (target_logps.py). Under CP the hidden states and targets are this rank's tokens; each row's sum is all-reduced over
 the CP group.
 """
@@ -11,16 +10,11 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers.models.auto import modeling_auto
 
-from ..checks import check_same_batch, check_shapes, check_token_range
+from ..checks import check_same_batch
 from ..distributed.collectives import all_reduce_sum
-from ..distributed.tensor_parallel import is_sharded
-from ..hooks.batch import _vocab
-from ..hooks.outputs import swap_forward
-from ..families.forward_source import logit_transform
 from ..state import cp_state, find_pretrained
-from .cross_entropy import shift_labels
+from .head_input import last_hidden_states, output_head, shifted_targets
 from .linear_ce import IGNORE_INDEX
 from .target_logps import target_logps, with_temperature
 
@@ -54,36 +48,6 @@ class SequenceLogps:
         return self.sums / self.counts.clamp_min(1).to(self.sums)
 
 
-def _is_causal_lm(model) -> bool:
-    names = {c.__name__ for c in type(model).__mro__}  # (FSDP2's dynamic subclass keeps the class in its MRO)
-    mapped = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-    return any(n in names for v in mapped for n in ((v,) if isinstance(v, str) else v))
-
-
-def _head_and_transform(inner, state):
-    """(the output head, what the forward does to its output), read from the model; raises on every rank alike
-    (before any collective) for a model whose log-probabilities hfcp cannot compute from its hidden states."""
-    name = f"{type(inner).__name__} (model_type={inner.config.model_type!r})"
-    if inner.config.get_text_config() is not inner.config or (state is not None and state.patcher.language_model):
-        raise ValueError(f"hfcp.sequence_logps does not support vision-language models yet; {name} is one. Compute "
-                         "log-probabilities from its logits (hfcp.gather_sequence(out.logits, model))")
-    if (state is not None and state.head != "causal_lm") or (state is None and not _is_causal_lm(inner)):
-        raise ValueError(f"hfcp.sequence_logps needs a causal LM (a *ForCausalLM); {name} is not one")
-    head = inner.get_output_embeddings()
-    if not isinstance(head, torch.nn.Module):
-        raise ValueError(f"{name} has no output head module (get_output_embeddings() is {head!r})")
-    weight = getattr(head, "weight", None)
-    if isinstance(weight, torch.Tensor) and is_sharded(weight):
-        raise ValueError(f"the output head of {name} is sharded (tensor parallel), which hfcp.sequence_logps does not "
-                         "split; compute log-probabilities from the model's gathered logits")
-    transform = logit_transform(inner)
-    if transform is None:
-        raise ValueError(f"hfcp cannot read what the forward of {name} does to its logits after the output head "
-                         "(a scale or softcap it does not recognise), so hfcp.sequence_logps would skip it; compute "
-                         "log-probabilities from the model's logits")
-    return head, transform
-
-
 def _check_wrappers(model) -> None:
     """DDP looking for unused parameters marks the output head unused when the forward returns (hfcp runs the head
     after it), then fails in backward when the head's gradient arrives; refused before it starts."""
@@ -110,47 +74,16 @@ def _check_options(temperature, chunk, model_kwargs: dict) -> None:
                          "loss and no logits")
 
 
-def _targets(inner, x: torch.Tensor, labels, mask, attention_mask) -> torch.Tensor:
-    """(B, L) the target of each token (labels shifted over the whole sequence), IGNORE_INDEX where none is counted:
-    labels -100, mask false or the target a padding token (attention_mask 0). Raises alike on every rank."""
-    check_shapes({"labels": labels, "attention_mask": attention_mask}, *x.shape[:2])
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(labels.shape):
-            raise ValueError(f"mask has shape {tuple(getattr(mask, 'shape', ()))}; pass a (batch, seq) = "
-                             f"{tuple(labels.shape)} mask of the targets (1: counted, 0: not)")
-        if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
-            raise ValueError(f"mask has values other than 0 and 1 ({mask[(mask != 0) & (mask != 1)][0].item()!r}); "
-                             "pass a bool or 0/1 mask (weights are not supported)")
-    counted = labels != IGNORE_INDEX
-    for m in (mask, attention_mask):
-        if m is not None:
-            counted = counted & (m.to(labels.device) != 0)
-    labels = labels.masked_fill(~counted, IGNORE_INDEX)
-    check_token_range("labels[:, 1:]", labels[:, 1:], _vocab(inner, "output"), IGNORE_INDEX)
-    return shift_labels(labels)
-
-
-def _last_hidden_states(model, head, kwargs: dict):
-    """(the hidden states the model's forward passes to its output head, its output without logits): the head is
-    replaced for this call by a stand-in that keeps them and returns (B, L, 0) logits."""
-    kept = []
-
-    def keep(hidden, *args, **kw):
-        restore()
-        kept.append(hidden)
-        return hidden.new_zeros(*hidden.shape[:-1], 0)  # no logits
-
-    restore = swap_forward(head, keep)
-    try:
-        output = model(**kwargs)
-    finally:
-        restore()
-    if not kept:
-        raise RuntimeError(f"{type(find_pretrained(model)).__name__} did not call its output head module, so "
-                           "hfcp.sequence_logps found no hidden states; compute log-probabilities from its logits")
-    if not isinstance(output, tuple) and "logits" in output:
-        output = type(output)(**{k: v for k, v in output.items() if k != "logits"})
-    return kept[0], output
+def _tokens_and_labels(input_ids, labels, model_kwargs: dict):
+    """(input_ids or inputs_embeds, labels: input_ids when not given)."""
+    x = input_ids if input_ids is not None else model_kwargs.get("inputs_embeds")
+    if x is None:
+        raise ValueError("hfcp.sequence_logps needs input_ids or inputs_embeds")
+    if labels is None:
+        if input_ids is None:
+            raise ValueError("hfcp.sequence_logps needs labels= when the model gets inputs_embeds")
+        labels = input_ids
+    return x, labels
 
 
 def sequence_logps(model, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -188,24 +121,17 @@ def sequence_logps(model, input_ids: torch.Tensor | None = None, labels: torch.T
     """
     inner = find_pretrained(model)
     state = cp_state(inner)
-    head, transform = _head_and_transform(inner, state)
+    head, transform = output_head(inner, state)
     _check_wrappers(model)
     _check_options(temperature, chunk, model_kwargs)
     if state is not None and state.check_inputs:  # the model's hook checks its inputs' values; these, what it cannot
         seen = {"logps labels": labels, "logps mask": mask, "logps inputs": (input_ids is None, sorted(model_kwargs))}
         check_same_batch(seen, state.mesh.cp_group, tuple(seen))
-    x = input_ids if input_ids is not None else model_kwargs.get("inputs_embeds")
-    if x is None:
-        raise ValueError("hfcp.sequence_logps needs input_ids or inputs_embeds")
-    if labels is None:
-        if input_ids is None:
-            raise ValueError("hfcp.sequence_logps needs labels= when the model gets inputs_embeds")
-        labels = input_ids
-    targets = _targets(inner, x, labels, mask, attention_mask)  # (B, L)
+    targets = shifted_targets(inner, *_tokens_and_labels(input_ids, labels, model_kwargs), mask, attention_mask)
     kwargs = {**model_kwargs, "input_ids": input_ids, "attention_mask": attention_mask}
     if "use_cache" in inspect.signature(type(inner).forward).parameters:
         kwargs.setdefault("use_cache", False)
-    hidden, output = _last_hidden_states(model, head, {k: v for k, v in kwargs.items() if v is not None})
+    hidden, output = last_hidden_states(model, head, {k: v for k, v in kwargs.items() if v is not None})
     local = targets if state is None else state.step.local(targets, fill=IGNORE_INDEX)  # (B, L_local)
     B, n = local.shape
     if tuple(hidden.shape[:2]) != (B, n):
