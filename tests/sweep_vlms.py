@@ -19,9 +19,9 @@ from hfcp.commands.verify import grad_error
 from sweep_families import GRAD_TOL, LOSS_TOL, _averaged, _grads  # the family sweep's tolerances and helpers
 
 
-def _compare(make, make_batch) -> dict:
+def _compare(make, make_batch, strategy: str = "ring") -> dict:
     """{"result": exact | refused | mismatch | error | not built | reference failed, "detail"} for one batch; make():
-    a fresh copy of the type's tiny model."""
+    a fresh copy of the type's tiny model; patched over every process of the group with `strategy`."""
     import hfcp
 
     try:
@@ -36,7 +36,7 @@ def _compare(make, make_batch) -> dict:
     except Exception as e:  # noqa: BLE001
         return {"result": "reference failed", "detail": f"{type(e).__name__}: {str(e)[:150]}"}
     try:
-        hfcp.patch(model, process_group=dist.group.WORLD)
+        hfcp.patch(model, process_group=dist.group.WORLD, strategy=strategy)
         got = model(**data).loss
         got.backward()
     except (ValueError, RuntimeError, TypeError) as e:
@@ -55,22 +55,22 @@ def _compare(make, make_batch) -> dict:
             else f"loss {loss_err:.1e}, grad {grad_err:.1e}", "errors": f"loss {loss_err:.1e}, grad {grad_err:.1e}"}
 
 
-def check(model_type: str) -> dict:
-    """{"type", "result", "detail", "text", "images"}: result is exact only when both batches are, refused when
-    hfcp refused either, else the worst of the two."""
+def check_multimodal(model_type: str, build, batches: dict) -> tuple[dict, object]:
+    """({"type", "text_type", "result", "detail", and each batch's result by its name}, the built model or None):
+    `build(model_type)` once, then _compare with each of `batches` ({name: make_batch}); a type or its text type
+    without a record is tried with the one a generated record gives it (read from the model). The result is exact
+    only when every batch is, refused when hfcp refused one, else the worst."""
     from hfcp.families.registry import REGISTRY, Patcher
-    from hfcp.hooks.vision_tower import splits_tower
 
     added = []
     if REGISTRY.get(model_type) is None:  # tried as patches/verified_vlm.py registers a type
         REGISTRY.register(Patcher(model_type=model_type, attention_classes=(), read_from_model=True,
                                   language_model="auto", vision_tower="auto"))
         added.append(model_type)
-    tower, built, failed = "", None, None
+    built, failed = None, None
     try:
-        built = tiny_vlm(model_type)  # built once: each comparison runs a copy (building is most of the sweep's time)
+        built = build(model_type)  # built once: each comparison runs a copy (building is most of the sweep's time)
         text_type = built.config.get_text_config().model_type
-        tower = "split over the ranks" if splits_tower(built.config.vision_config) else "whole on every rank"
         if REGISTRY.get(text_type) is None:  # its text model, checked at patch time like any read-from-model type
             REGISTRY.register(Patcher(model_type=text_type, attention_classes=(), read_from_model=True))
             added.append(text_type)
@@ -83,16 +83,27 @@ def check(model_type: str) -> dict:
         return copy.deepcopy(built)
 
     try:
-        text, images = _compare(make, text_batch), _compare(make, image_batch)
+        got = {name: _compare(make, make_batch) for name, make_batch in batches.items()}
     finally:
         for t in added:
             REGISTRY._patchers.pop(t)
     order = ("error", "mismatch", "refused", "reference failed", "not built", "exact")
-    worst = min((text, images), key=lambda r: order.index(r["result"]))
-    return {"type": model_type, "text_type": text_type, "result": worst["result"],
-            "detail": f"text: {text['detail']}; images: {images['detail']}" if worst["result"] != "exact"
-            else f"text and images: {text['detail']}", "text": text["result"], "images": images["result"],
-            "tower": tower if worst["result"] == "exact" else ""}
+    worst = min(got.values(), key=lambda r: order.index(r["result"]))["result"]
+    detail = ("; ".join(f"{name}: {r['detail']}" for name, r in got.items()) if worst != "exact"
+              else f"{' and '.join(got)}: {next(iter(got.values()))['detail']}")
+    return {"type": model_type, "text_type": text_type, "result": worst, "detail": detail,
+            **{name: r["result"] for name, r in got.items()}}, built
+
+
+def check(model_type: str) -> dict:
+    """{"type", "result", "detail", "text", "images", "tower"}: check_multimodal with a text-only batch and two
+    images; the tower: split over the ranks or whole on every rank."""
+    from hfcp.hooks.vision_tower import splits_tower
+
+    result, built = check_multimodal(model_type, tiny_vlm, {"text": text_batch, "images": image_batch})
+    exact = result["result"] == "exact"  # (then it was built)
+    tower = "split over the ranks" if exact and splits_tower(built.config.vision_config) else "whole on every rank"
+    return {**result, "tower": tower if exact else ""}
 
 
 def sweep(types=None, progress: bool = False) -> list[dict]:

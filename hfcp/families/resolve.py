@@ -26,7 +26,8 @@ from ..hooks.vlm import find_language_model, module_with_config
 log = logging.getLogger("hfcp")
 
 _HEADS = {  # transformers' auto mappings -> how hfcp treats the head
-    "causal_lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
+    "causal_lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+                  "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES"),  # (audio-language models: only there)
     "classification": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES"),
     "sequence_classification": ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",),
     "token_classification": ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",),

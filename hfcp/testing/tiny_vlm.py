@@ -46,26 +46,37 @@ def tiny_vlm(model_type: str, seed: int = 0):
                      ("image_grid_pinpoints", [[16, 16]])):
             if hasattr(cfg, k):
                 setattr(cfg, k, v)
-        text = cfg.get_text_config()
-        types = getattr(text, "layer_types", None)
-        if isinstance(types, list) and len(types) > text.num_hidden_layers:  # what the layers read anyway; a
-            text.layer_types = types[:text.num_hidden_layers]  # saved config must agree to load again
-        rope = getattr(text, "rope_parameters", None)
-        if isinstance(rope, dict) and ("mrope_section" in rope or "_vl" in text.model_type):  # 3-D rope sections
-            # over the tiny head dim (8); a Qwen-VL text config without them takes its full-size default
-            text.rope_parameters = {**rope, "mrope_section": [1, 1, 2]}
+        fit_text_config(cfg.get_text_config())
         cls = getattr(transformers, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])
-        with torch.device("meta"):
-            size = sum(p.numel() for p in cls(copy.deepcopy(cfg)).parameters())
-        if size > MAX_PARAMS:
-            raise ValueError(f"the tiny config still has {size / 1e6:.1f}M parameters")
-        torch.manual_seed(seed)
-        model = cls(copy.deepcopy(cfg)).float()
+        return build_perturbed(cls, cfg, seed)
+
+
+def build_perturbed(cls, cfg, seed: int):
+    """cls(cfg) in fp32 and train mode, refused above MAX_PARAMS (counted on the meta device), its weights from
+    `seed` and perturbed away from their init (so that no gradient is zero by construction)."""
+    with torch.device("meta"):
+        size = sum(p.numel() for p in cls(copy.deepcopy(cfg)).parameters())
+    if size > MAX_PARAMS:
+        raise ValueError(f"the tiny config still has {size / 1e6:.1f}M parameters")
+    torch.manual_seed(seed)
+    model = cls(copy.deepcopy(cfg)).float()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     return model.train()
+
+
+def fit_text_config(text) -> None:
+    """What the shrunk text config of a multimodal model must agree with: its layer types cut to its layers (what
+    the layers read anyway; a saved config must agree to load again) and 3-D rope sections over the tiny head dim
+    (8; a Qwen-VL text config without them takes its full-size default)."""
+    types = getattr(text, "layer_types", None)
+    if isinstance(types, list) and len(types) > text.num_hidden_layers:
+        text.layer_types = types[:text.num_hidden_layers]
+    rope = getattr(text, "rope_parameters", None)
+    if isinstance(rope, dict) and ("mrope_section" in rope or any(k in text.model_type for k in ("_vl", "_omni"))):
+        text.rope_parameters = {**rope, "mrope_section": [1, 1, 2]}
 
 
 def _accepts(model, name: str) -> bool:

@@ -1,0 +1,24 @@
+"""Audio-language and omni models whose language model reads the merged token sequence (text embeddings with the
+audio features scattered in, an omni thinker's image and video features too): hfcp shards at the language model's
+input exactly as for vision-language models (hfcp/hooks/vlm.py); the language model is read from the model. The
+audio encoder runs whole on every rank (exact; its memory does not fall with cp), an omni thinker's vision tower
+too. Each type here is shown exact by the audio sweep (tests/sweep_audio.py, tests/test_audio_sweep.py) with a
+text-only batch and with three clips."""
+from hfcp.families.registry import Patcher, register_patcher
+
+AUDIO_TYPES = (
+    "qwen2_audio",           # Whisper-style encoder, average-pooled; its processor expands each clip's placeholders
+    "qwen2_5_omni_thinker",  # Qwen2.5-Omni's trainable part: audio, image and video in time-aligned 3-D RoPE
+    "voxtral",               # Whisper-style encoder, frames stacked by the projector; a Llama language model
+    "glmasr",                # Whisper-style encoder with rotary positions
+    "granite_speech",        # Conformer encoder (block attention), Q-Former projector
+    "granite_speech_plus",
+    "fun_asr_nano",          # SAN-M encoder (FSMN memory) on stacked low-frame-rate features, Qwen3 language model
+    "moss_transcribe_diarize",
+)
+
+for _type in AUDIO_TYPES:
+    register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True,
+                             language_model="auto", vision_tower="auto"))
+# Qwen2.5-Omni's language model (its 3-D positions come from the thinker's rope index, split with the tokens)
+register_patcher(Patcher(model_type="qwen2_5_omni_text", attention_classes=(), read_from_model=True))

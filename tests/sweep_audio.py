@@ -1,0 +1,94 @@
+"""The audio sweep: every model_type of transformers' multimodal-LM mapping whose model takes audio (an audio
+encoder config beside its text config; an omni model's thinker, the part that trains, in place of the whole), a
+tiny random config (text and audio parts shrunk, placeholder ids inside the tiny vocabulary), patched (cp 2, ring)
+against the unpatched model, loss and every gradient, with a text-only batch and with three clips (one in row 0,
+two in row 1, the second across the zigzag cut). The audio-token count of a clip is read from the model. Types
+without a record are tried with the record patches/audio.py gives them (language model read from the model, the
+audio encoder whole on every rank). Run on every rank of a 2-process pool."""
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hfcp.testing.tiny_audio import audio_batch, audio_config, text_batch, tiny_audio
+
+from sweep_vlms import _compare, check_multimodal
+
+
+def audio_types() -> list[str]:
+    """The multimodal-LM types with an audio encoder, an omni model replaced by its thinker."""
+    import warnings
+
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto
+
+    found = []
+    for t in sorted(modeling_auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                cfg = CONFIG_MAPPING[t]()
+            except Exception:  # noqa: BLE001 - a config that needs arguments: not an audio type here
+                continue
+        if getattr(cfg, "thinker_config", None) is not None:
+            continue  # the thinker (its own type, in this mapping too) is what trains
+        if audio_config(cfg) is not None:
+            found.append(t)
+    return found
+
+
+def check(model_type: str) -> dict:
+    """{"type", "result", "detail", "text", "audio"}: sweep_vlms.check_multimodal with a text-only batch and three
+    clips."""
+    return check_multimodal(model_type, tiny_audio, {"text": text_batch, "audio": audio_batch})[0]
+
+
+def sweep(types=None, progress: bool = False) -> list[dict]:
+    results = []
+    for t in types or audio_types():
+        if progress and dist.get_rank() == 0:
+            print(f"audio sweep: {t}", file=sys.stderr, flush=True)
+        results.append(check(t))
+    return results
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node 2 tests/sweep_audio.py [types]
+    dist.init_process_group("gloo")
+    for r in sweep(sys.argv[1:] or None, progress=True):
+        if dist.get_rank() == 0:
+            print(r["type"], r["result"], r["detail"][:300])
+
+
+def compare_mixed(model_type: str, strategy: str) -> dict:
+    """A text-only, left-padded row beside a row of two clips, one across the zigzag cut: _compare's result."""
+    from hfcp.testing.tiny_audio import mixed_audio_batch
+
+    built = tiny_audio(model_type)
+    return _compare(lambda: copy.deepcopy(built), mixed_audio_batch, strategy)
+
+
+def legacy_placeholders_refused() -> str:
+    """Qwen2-Audio's legacy form (one placeholder per clip, expanded inside the model): what the patched forward
+    raised (the unpatched one runs)."""
+    import hfcp
+    from hfcp.testing.tiny_audio import AUDIO
+
+    model = tiny_audio("qwen2_audio")
+    data = audio_batch(model)
+    ids = data["input_ids"]
+    for row in range(ids.shape[0]):  # each run of placeholders becomes one placeholder followed by text
+        run = (ids[row] == AUDIO) & torch.cat([torch.tensor([True]), ids[row, :-1] != AUDIO])
+        ids[row] = torch.where((ids[row] == AUDIO) & ~run, 5, ids[row])
+    data.pop("labels")  # (transformers' legacy path fails with labels: its config has no ignore_index)
+    model(**data, use_cache=False)  # transformers' own legacy expansion runs
+    hfcp.patch(model, process_group=dist.group.WORLD)
+    try:
+        model(**data)
+    except ValueError as e:
+        return str(e)
+    finally:
+        hfcp.unpatch(model)
+    return "nothing raised"

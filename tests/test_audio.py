@@ -1,0 +1,51 @@
+"""Audio-language and omni models: the audio sweep over every multimodal-LM type of transformers with an audio
+encoder (exact or refused, never silently wrong; every type with a record exact) and its matrix in the docs; a
+text-only, left-padded row beside a row of two clips at cp 2 with allgather and at cp 4."""
+import sys
+from pathlib import Path
+
+import pytest
+
+import sweep_audio as S
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import support_matrix  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def sweep(pool2):
+    results = pool2.run(S.sweep, timeout=900)
+    assert results[0] == results[1], "the ranks disagree"
+    return results[0]
+
+
+def test_no_audio_model_is_silently_wrong_or_crashes(sweep):
+    from hfcp.patches import audio
+
+    bad = [r for r in sweep if r["result"] in ("mismatch", "error")]
+    assert not bad, bad
+    exact = {r["type"] for r in sweep if r["result"] == "exact"}
+    assert set(audio.AUDIO_TYPES) <= exact and len(exact) >= 8, exact  # every record shown exact by the sweep
+
+
+def test_audio_matrix_is_current(sweep):
+    page = support_matrix.MATRIX_PAGE.read_text()
+    assert support_matrix.render_audio_table(sweep) in page, "docs' audio matrix is stale: run scripts/support_matrix.py"
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_audio", "qwen2_5_omni_thinker"])
+def test_text_row_beside_clips_cp2_allgather(pool2, model_type):
+    for r in pool2.run(S.compare_mixed, model_type, "allgather", timeout=300):
+        assert r["result"] == "exact", r
+
+
+def test_text_row_beside_clips_cp4(pool4):
+    for r in pool4.run(S.compare_mixed, "voxtral", "ring", timeout=300):
+        assert r["result"] == "exact", r
+
+
+def test_legacy_placeholders_refused_on_every_rank(pool2):
+    """One placeholder per clip (expanded inside the model) changes the sequence's length after hfcp split it."""
+    for message in pool2.run(S.legacy_placeholders_refused, timeout=300):
+        assert "merged sequence has" in message and "tokens but input_ids had 48" in message, message
