@@ -13,31 +13,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hfcp.testing.tiny_audio import audio_batch, audio_config, text_batch, tiny_audio
+from hfcp.testing.tiny_audio import audio_batch, audio_types, text_batch, tiny_audio
 
 from sweep_vlms import _compare, check_multimodal
-
-
-def audio_types() -> list[str]:
-    """The multimodal-LM types with an audio encoder, an omni model replaced by its thinker."""
-    import warnings
-
-    from transformers import CONFIG_MAPPING
-    from transformers.models.auto import modeling_auto
-
-    found = []
-    for t in sorted(modeling_auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                cfg = CONFIG_MAPPING[t]()
-            except Exception:  # noqa: BLE001 - a config that needs arguments: not an audio type here
-                continue
-        if getattr(cfg, "thinker_config", None) is not None:
-            continue  # the thinker (its own type, in this mapping too) is what trains
-        if audio_config(cfg) is not None:
-            found.append(t)
-    return found
 
 
 def check(model_type: str) -> dict:

@@ -171,11 +171,11 @@ BAD_INVOCATIONS = {
         "(its position table transformer.wpe, max_position_embeddings=256): pass --seq-len 256 or less", True),
     "unknown_model_type": (
         lambda tmp: ["--model", "not_a_type"], 2,
-        "hfcp verify: error: --model not_a_type: no such directory, and not a causal-LM or image-text-to-text model_type of transformers",
+        "hfcp verify: error: --model not_a_type: no such directory, and not a causal-LM, image-text-to-text or audio-language model_type of transformers",
         True),
     "directory_without_config_json": (
         lambda tmp: ["--model", str(tmp)], 2,
-        "hfcp verify: error: --model {tmp}: a directory without config.json, and not a causal-LM or image-text-to-text model_type", True),
+        "hfcp verify: error: --model {tmp}: a directory without config.json, and not a causal-LM, image-text-to-text or audio-language model_type", True),
     "type_of_which_no_tiny_model_is_built": (
         lambda tmp: ["--model", "bart", "--seq-len", "32"], 1,
         "hfcp verify: ValueError: the tiny config still has 3.3M parameters (hfcp.testing.tiny builds no tiny random model "
@@ -251,3 +251,17 @@ def test_verify_a_vision_language_model_hfcp_refuses_or_cannot_fill(pool2):
     assert report["verdict"] == "refused" and "qwen3_vl_moe" in report["reason"], report
     rc, _, err = _verify("--model", "llava", "--seq-len", "20", "--cp-size", "2", report=False)  # in the parent
     assert rc == 1 and "16 tokens per image do not fit 20" in err and "longer --seq-len" in err, err
+
+
+@pytest.mark.parametrize("model", ["voxtral", "checkpoint"])
+def test_verify_an_audio_language_model_with_clips(pool2, tmp_path, model):
+    # an audio model_type (a tiny random one) or checkpoint directory (loaded as a multimodal LM): two rows with
+    # three clips, built by hand
+    if model == "checkpoint":
+        from hfcp.testing.tiny_audio import tiny_audio
+
+        tiny_audio("qwen2_audio").save_pretrained(tmp_path / "ckpt")
+        model = str(tmp_path / "ckpt")
+    report = _rank_reports(pool2, model, 48)
+    assert report["verdict"] == "exact", report
+    assert report["loss_err"] < 1e-5 and report["grad_err"] < 1e-4 and report["logit_err"] < 1e-4, report

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .verify_inputs import HEADS, VLM_TYPES, auto_class, checkpoint_head, is_checkpoint, load_model
+from .verify_inputs import AUDIO_TYPES, HEADS, VLM_TYPES, auto_class, checkpoint_head, is_checkpoint, load_model
 
 
 class VerifyError(Exception):
@@ -51,8 +51,9 @@ def check_arguments(model: str, seq_len: int, data: str | None = None, head: str
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
 
-    if not is_checkpoint(model) and model in VLM_TYPES() and head is None:  # a tiny random VLM: text and images
-        _check_tiny_vlm(model, seq_len, data)
+    multimodal = model in AUDIO_TYPES() or model in VLM_TYPES()
+    if not is_checkpoint(model) and multimodal and head is None:  # a tiny random VLM (images) or audio model (clips)
+        _check_tiny_multimodal(model, seq_len, data)
         return
     if is_checkpoint(model):
         built = _check_checkpoint(model, seq_len, data, head)
@@ -71,17 +72,19 @@ def check_arguments(model: str, seq_len: int, data: str | None = None, head: str
                           f"{table[1]}, max_position_embeddings={table[0]}): pass --seq-len {table[0]} or less", 2)
 
 
-def _check_tiny_vlm(model: str, seq_len: int, data: str | None) -> None:
+def _check_tiny_multimodal(model: str, seq_len: int, data: str | None) -> None:
     if data is not None:
         raise VerifyError(f"--data {data} needs a checkpoint directory (its tokenizer): the tiny random {model} "
                           "has no tokenizer; leave out --data", 2)
+    audio = model in AUDIO_TYPES()
     try:
         built = load_model(model)
-        from ..testing.tiny_vlm import image_batch
+        from .verify_inputs import make_batch
 
-        image_batch(built, seq_len)
+        make_batch(built, seq_len, None)
     except Exception as e:
-        raise VerifyError(f"{one_line(e)} (hfcp.testing.tiny_vlm builds no tiny random {model} with images of "
+        builder, inputs = ("tiny_audio", "audio clips") if audio else ("tiny_vlm", "images")
+        raise VerifyError(f"{one_line(e)} (hfcp.testing.{builder} builds no tiny random {model} with {inputs} of "
                           f"--seq-len {seq_len}: pass a longer --seq-len or a checkpoint directory)", 1) from e
 
 
@@ -95,10 +98,11 @@ def _check_checkpoint(model: str, seq_len: int, data: str | None, head: str | No
         config = transformers.AutoConfig.from_pretrained(model)
     except Exception as e:
         raise VerifyError(f"--model {model}: its config.json does not load ({one_line(e)})", 2) from e
-    if config.model_type not in CAUSAL_LM and config.model_type not in VLM_TYPES():
+    if config.model_type not in CAUSAL_LM and config.model_type not in VLM_TYPES() + AUDIO_TYPES():
         raise VerifyError(f"--model {model}: its config.json has model_type {config.model_type!r}, which has "
-                          f"no causal-LM or image-text-to-text class in transformers {transformers.__version__} "
-                          f"(AutoModelForCausalLM, AutoModelForImageTextToText): pass such a checkpoint", 2)
+                          f"no causal-LM, image-text-to-text or audio-language class in transformers "
+                          f"{transformers.__version__} (AutoModelForCausalLM, AutoModelForImageTextToText, "
+                          "AutoModelForMultimodalLM): pass such a checkpoint", 2)
     if head is not None and checkpoint_head(config) != head:
         raise VerifyError(f"--head {head} with the checkpoint {model}, whose config.json names "
                           f"{config.architectures}, not a *{HEADS[head][0]} class: leave out --head (a checkpoint is "
@@ -190,8 +194,9 @@ def _unknown_model(model: str) -> VerifyError:
              else "a file, not a directory" if Path(model).exists() else "no such directory")
     close = difflib.get_close_matches(model, CAUSAL_LM, n=3)
     hint = f" (close: {', '.join(close)})" if close else ""
-    return VerifyError(f"--model {model}: {where}, and not a causal-LM or image-text-to-text model_type of "
-                       f"transformers {transformers.__version__}{hint}: pass a checkpoint directory (with "
-                       f"config.json, as save_pretrained writes) or one of the {len(CAUSAL_LM)} types of "
-                       f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or the {len(VLM_TYPES())} of "
-                       f"MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", 2)
+    return VerifyError(f"--model {model}: {where}, and not a causal-LM, image-text-to-text or audio-language "
+                       f"model_type of transformers {transformers.__version__}{hint}: pass a checkpoint directory "
+                       f"(with config.json, as save_pretrained writes) or one of the {len(CAUSAL_LM)} types of "
+                       f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, the {len(VLM_TYPES())} of "
+                       f"MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or the {len(AUDIO_TYPES())} audio-language ones "
+                       "of MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", 2)

@@ -1,5 +1,6 @@
 """What `hfcp verify` builds from its arguments: the model (a checkpoint directory or a model_type's tiny random
-model, causal LM, vision-language model, or sequence or token classifier) and its batch (the user's text, random ids, images)."""
+model, causal LM, vision-language or audio-language model, or sequence or token classifier) and its batch (the user's
+text, random ids, images, audio clips)."""
 from __future__ import annotations
 
 import functools
@@ -33,6 +34,15 @@ def VLM_TYPES():  # noqa: N802 - a constant of the installed transformers
     return tuple(t for t in VLM if t not in CAUSAL_LM or has_vision(t))
 
 
+@functools.lru_cache(maxsize=1)
+def AUDIO_TYPES():  # noqa: N802 - a constant of the installed transformers
+    """The multimodal-LM model_types with an audio encoder (an omni model's thinker in its place), verified with
+    audio clips."""
+    from ..testing.tiny_audio import audio_types
+
+    return tuple(audio_types())
+
+
 # --head -> (the end of its class names, hfcp's head kind)
 HEADS = {"sequence-classification": ("ForSequenceClassification", "sequence_classification"),
          "token-classification": ("ForTokenClassification", "token_classification")}
@@ -60,6 +70,8 @@ def auto_class(model_type: str, config=None):
         return transformers.AutoModelForSequenceClassification
     if head == "token-classification":
         return transformers.AutoModelForTokenClassification
+    if model_type in AUDIO_TYPES():
+        return transformers.AutoModelForMultimodalLM
     vlm = model_type in VLM_TYPES()
     return transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
 
@@ -73,6 +85,10 @@ def load_model(model: str, dtype=torch.float32, head: str | None = None):
         config = AutoConfig.from_pretrained(model)
         cls = auto_class(config.model_type, config)
         return cls.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").train()
+    if model in AUDIO_TYPES() and head is None:
+        from ..testing.tiny_audio import tiny_audio
+
+        return tiny_audio(model).to(dtype)
     if model in VLM_TYPES() and head is None:
         from ..testing.tiny_vlm import tiny_vlm
 
@@ -84,6 +100,10 @@ def load_model(model: str, dtype=torch.float32, head: str | None = None):
 
 def _is_vlm(model) -> bool:
     return model.config.model_type in VLM_TYPES() and model_head(model) is None
+
+
+def _is_audio(model) -> bool:
+    return model.config.model_type in AUDIO_TYPES() and model_head(model) is None
 
 
 def sequence_labels(config) -> torch.Tensor:
@@ -100,9 +120,15 @@ def sequence_labels(config) -> torch.Tensor:
 
 def make_batch(model, seq_len: int, data: str | None) -> dict:
     """The inputs of the check: (1, seq_len) token ids (token_ids) as input_ids and labels (a sequence classifier's
-    checkpoint or --head: labels of its problem type, sequence_labels; a token classifier's: a seeded class per token); for a vision-language model, two rows with an image
+    checkpoint or --head: labels of its problem type, sequence_labels; a token classifier's: a seeded class per token);
+    for an audio-language model, two rows with three clips (hfcp.testing.tiny_audio.audio_batch); for a
+    vision-language model, two rows with an image
     each, built by hand (hfcp.testing.tiny_vlm.image_batch; a checkpoint's ids then come from the tiny vocabulary of
     placeholders, so a text-only check of its text with --data stays the causal-LM one)."""
+    if _is_audio(model) and data is None:
+        from ..testing.tiny_audio import audio_batch
+
+        return audio_batch(model, seq_len)
     if _is_vlm(model) and data is None:
         from ..testing.tiny_vlm import image_batch
 

@@ -76,6 +76,26 @@ def audio_config(config):
     return audio
 
 
+def audio_types() -> list[str]:
+    """The multimodal-LM types with an audio encoder, an omni model replaced by its thinker."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto
+
+    found = []
+    for t in sorted(modeling_auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                cfg = CONFIG_MAPPING[t]()
+            except Exception:  # noqa: BLE001 - a config that needs arguments: not an audio type here
+                continue
+        if getattr(cfg, "thinker_config", None) is not None:
+            continue  # the thinker (its own type, in this mapping too) is what trains
+        if audio_config(cfg) is not None:
+            found.append(t)
+    return found
+
+
 def _accepts(model, name: str) -> bool:
     return name in inspect.signature(model.forward).parameters
 
