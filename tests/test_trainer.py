@@ -197,6 +197,20 @@ def test_vlm_lora_fine_tune_cp2_equals_one_process(pool1, pool2, with_images):
         assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-5 * abs(ref["eval_loss"]), (got, ref)
 
 
+def test_audio_lora_fine_tune_cp2_equals_one_process(pool1, pool2):
+    # HfcpTrainer with Qwen2-Audio batches (a clip per row at different places), LoRA on the language model
+    ref = pool1.run(W.audio_run, 4, None)[0]
+    assert ref["lora_only_in_language_model"], ref
+    assert len({h["loss"] for h in ref["history"] if "loss" in h}) > 1, ref  # it trains
+    for got in pool2.run(W.audio_run, 4, None):
+        assert len(got["history"]) == len(ref["history"])
+        for g, r in zip(got["history"], ref["history"]):
+            for k in ("loss", "grad_norm", "eval_loss"):
+                if k in r:
+                    assert abs(g[k] - r[k]) <= 1e-4 * max(1.0, abs(r[k])), (k, g, r)
+        assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-5 * abs(ref["eval_loss"]), (got, ref)
+
+
 # ---- accelerate's ParallelismConfig as the front door (issue 21) ------------------------------------------------
 import workers_layout as L  # noqa: E402
 

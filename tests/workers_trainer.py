@@ -507,6 +507,51 @@ def vlm_run(per_device: int, cp_size=None, with_images: bool = True):
                                                                    for n in trainable)}
 
 
+class ClipRows(torch.utils.data.Dataset):
+    """n rows of a tiny Qwen2-Audio's inputs: 40 tokens with one clip (8 placeholder tokens) at a row-dependent
+    place, its mel features and frame mask, labels off the clip."""
+
+    def __init__(self, n: int, seed: int = 0):
+        from hfcp.testing.tiny_audio import AUDIO, FRAMES
+
+        g = torch.Generator().manual_seed(seed)
+        self.rows = []
+        for i in range(n):
+            ids = torch.randint(3, 88, (40,), generator=g)
+            at = 3 + 6 * (i % 4)  # clips at different places, some across the zigzag cut
+            ids[at:at + 8] = AUDIO
+            self.rows.append({"input_ids": ids, "labels": ids.masked_fill(ids == AUDIO, -100),
+                              "input_features": torch.randn(8, FRAMES, generator=g),
+                              "feature_attention_mask": torch.ones(FRAMES, dtype=torch.long)})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def audio_run(per_device: int, cp_size=None):
+    """4 LoRA steps (adapters on the language model's attention only) of a tiny Qwen2-Audio, then evaluate."""
+    from peft import LoraConfig, get_peft_model
+
+    from hfcp.integrations import HfcpTrainer
+    from hfcp.testing.tiny_audio import tiny_audio
+
+    _reset_accelerate()
+    model = get_peft_model(tiny_audio("qwen2_audio"), LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+    with tempfile.TemporaryDirectory() as out:
+        trainer = HfcpTrainer(model=model, args=_args(out, per_device), train_dataset=ClipRows(16, 0),
+                              eval_dataset=ClipRows(6, 1), cp_size=cp_size)
+        trainer.train()
+        metrics = trainer.evaluate()
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    return {"history": _history(trainer), "eval_loss": metrics["eval_loss"],
+            "lora_only_in_language_model": bool(trainable) and all("language_model" in n and "lora_" in n
+                                                                   for n in trainable)}
+
+
 def vlm_processor():
     """A LLaVA processor for workers_vlm's tiny LLaVA, built offline: word_tokenizer's words with "<image>" (id 90),
     and a SigLIP image processor to 16 x 16 (each image becomes 16 placeholder tokens)."""
