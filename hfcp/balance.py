@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Layout, Range
+from .layout import Layout, Range, StepBatch
+from .work import position_work
 
 LONG_SHARES = (1 / 4, 1 / 8, 1 / 16, 1 / 64, 0.0)  # a segment is long above this share of a rank's mean work
 BUNDLE_SHARE = 1 / 16  # whole segments are bundled up to this share of a rank's mean work (and of its tokens)
@@ -77,6 +78,39 @@ class _Prefix:
     def __call__(self, start: int, end: int) -> int:
         """The work of positions [start, end)."""
         return self.l[end] - self.l[start]
+
+
+BALANCE_CHOICES = ("auto", "row")
+
+
+def check_balance(value) -> str:
+    """value, when it is a balance setting; else ValueError naming the choices."""
+    if value not in BALANCE_CHOICES:
+        raise ValueError(f"balance={value!r} is not one of {list(BALANCE_CHOICES)}")
+    return value
+
+
+def why_row_layout(patcher) -> str:
+    """Why a model of this record keeps the row layout whatever its batch, or "" when balance="auto" applies."""
+    if patcher.embeddings_classes:
+        return "a vision model keeps the row layout"
+    if patcher.language_model:
+        return "a vision-language model keeps the row layout"
+    if patcher.mixers:
+        return "recurrent mixers pass their state in sequence order: the row layout"
+    if not patcher.causal:
+        return "bidirectional attention keeps the row layout"
+    return ""
+
+
+def step_layout(sb: StepBatch, masks) -> Layout:
+    """The layout of this step: balanced over its packed documents (masks: (MaskSpec, layers) pairs, hfcp.work) when
+    that cuts the slowest rank's work, else sb.layout (the row layout): rows without documents, or with the
+    bidirectional blocks of masks built outside the model."""
+    row = sb.layout
+    if sb.doc_ids is None or sb.blocks is not None:
+        return row
+    return balanced_layout(row, position_work(masks, sb), segment_starts(sb.doc_ids, row.padded_len))
 
 
 def _range_work(prefix: _Prefix, ranges) -> int:

@@ -66,6 +66,19 @@ def position_work(masks: Iterable[tuple[MaskSpec, int]], sb: StepBatch) -> torch
     return total
 
 
+def layer_masks(modules, causal: bool) -> list[tuple[MaskSpec, int]]:
+    """(mask, number of layers) of the model's attention modules, as their calls pass it: each module's own
+    sliding_window (Gemma, Qwen2), else its config's (Mistral), and its layer's attention chunk (Llama 4)."""
+    from .attention.interface import attention_chunk  # (imports the inference cache, which imports hfcp.state)
+
+    counts: dict[MaskSpec, int] = {}
+    for m in modules:
+        window = getattr(m, "sliding_window", getattr(getattr(m, "config", None), "sliding_window", None))
+        spec = MaskSpec(causal, int(window) if window else None, chunk=attention_chunk(m))
+        counts[spec] = counts.get(spec, 0) + 1
+    return list(counts.items()) or [(MaskSpec(causal, None), 1)]
+
+
 def rank_work(layout: Layout, work: torch.Tensor) -> list[int]:
     """Each rank's attention work under `layout`: the sum of `work` (per position) over the rank's local tokens."""
     return [int(work[layout.local_index(r)].sum()) for r in range(layout.cp_size)]

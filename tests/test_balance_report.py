@@ -26,24 +26,25 @@ def batch(position_ids=PACKED, **extra):
 ])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_report_counts_the_layout_hfcp_runs(family, masks, cp):
-    """The report describes the row layout (the one hfcp runs), its counts equal a brute-force count under the model's
-    masks summed over its layers, and the balanced plan is reported apart, balanced."""
+    """balance="auto" (patch's default): the balanced layout when it gains, its counts equal to a brute-force count
+    under the model's masks summed over its layers; "row" the zigzag layout, counted the same way."""
     model = tiny_model(family)
     report = hfcp.balance_report(model, cp_size=cp, **batch())
     row = Layout(PACKED.shape[1], cp, zigzag=True)
-    assert report["layout"] == "row"
-    assert report["ranges"] == [list(row.ranges(r)) for r in range(cp)] == report["row"]["ranges"]
-    assert report["tokens"] == [row.local_len] * cp
-    assert report["attention_work"] == brute_force_work(row, PACKED, masks) == report["row"]["attention_work"]
-    assert report["imbalance"] == max(report["attention_work"]) * cp / sum(report["attention_work"])
-    assert report["imbalance"] > 1.2 or family == "mistral"  # (a window of 7 tokens: the work is nearly even)
-    plan = report["balanced_plan"]
-    assert plan["tokens"] == report["tokens"] and plan["imbalance"] <= 1.05
-    assert plan["reason"] in ("", "the row layout is as balanced")
-    assert (plan["reason"] == "") == (plan["ranges"] != report["ranges"])
-    planned = Layout(PACKED.shape[1], cp, True, tuple(tuple(r) for r in plan["ranges"]))
-    assert plan["attention_work"] == brute_force_work(planned, PACKED, masks)
+    assert report["row"]["layout"] == "row" and report["row"]["ranges"] == [list(row.ranges(r)) for r in range(cp)]
+    assert report["row"]["tokens"] == report["tokens"] == [row.local_len] * cp
+    assert report["row"]["attention_work"] == brute_force_work(row, PACKED, masks)
+    row_work = report["row"]["attention_work"]
+    assert report["row"]["imbalance"] == max(row_work) * cp / sum(row_work)
+    assert report["row"]["imbalance"] > 1.2 or family == "mistral"  # (a window of 7 tokens: the work is nearly even)
+    used = Layout(PACKED.shape[1], cp, True, tuple(tuple(r) for r in report["ranges"]) if report["layout"] == "balanced"
+                  else None)
+    assert report["attention_work"] == brute_force_work(used, PACKED, masks) and report["imbalance"] <= 1.05
+    assert report["layout"] == ("balanced" if report["reason"] == "" else "row")
+    assert report["reason"] in ("", "the row layout is as balanced") and (family == "mistral" or not report["reason"])
     assert report["bytes_per_layer"] == [comm_bytes("ring", 1, row.padded_len, 4, 2, 8, cp, None, 4)] * cp
+    as_row = hfcp.balance_report(model, cp_size=cp, balance="row", **batch())
+    assert {**as_row, "reason": ""} == {**report["row"], "reason": "", "row": report["row"]}
 
 
 def test_report_of_a_padded_batch_of_rows():
@@ -51,8 +52,8 @@ def test_report_of_a_padded_batch_of_rows():
     pos = torch.stack([documents([30, 20, 43]), documents([7, 86])])
     report = hfcp.balance_report(tiny_model("llama"), cp_size=4, **batch(pos))
     assert report["tokens"] == [24] * 4  # 93 tokens padded to 96
-    assert report["attention_work"] == brute_force_work(Layout(93, 4, True), pos, [(MaskSpec(True, None), 2)])
-    assert report["balanced_plan"]["imbalance"] <= 1.05 < report["imbalance"]
+    assert report["row"]["attention_work"] == brute_force_work(Layout(93, 4, True), pos, [(MaskSpec(True, None), 2)])
+    assert report["layout"] == "balanced" and report["imbalance"] <= 1.05 < report["row"]["imbalance"]
     one = hfcp.balance_report(tiny_model("llama"), cp_size=2, input_ids=batch()["input_ids"],
                               cu_seq_lens_q=torch.tensor([0, 50, 56, 65, 82, 85, 96]))
     assert one == hfcp.balance_report(tiny_model("llama"), cp_size=2, **batch())
@@ -61,16 +62,16 @@ def test_report_of_a_padded_batch_of_rows():
 @pytest.mark.parametrize("extra, reason", [
     ({"position_ids": torch.arange(96)[None]}, "no packed documents"),
     ({"attention_mask": torch.ones(1, 96, dtype=torch.long)}, "no packed documents"),
+    ({"balance": "row"}, "balance='row'"),
 ])
-def test_rows_without_documents_report_the_row_layout_only(extra, reason):
+def test_the_row_layout_and_why(extra, reason):
     report = hfcp.balance_report(tiny_model("llama"), cp_size=2, **batch(**extra))
-    assert reason in report["balanced_plan"]["reason"]
-    assert report["balanced_plan"]["ranges"] == report["ranges"]
+    assert report["layout"] == "row" and reason in report["reason"]
+    assert report["ranges"] == report["row"]["ranges"]
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(cp_size=2, balance="auto"), "balance='auto' is not one of \\['row'\\]"),
-    (dict(cp_size=2, balance="zigzag"), "balance='zigzag'"),
+    (dict(cp_size=2, balance="zigzag"), "balance='zigzag' is not one of \\['auto', 'row'\\]"),
     (dict(), "needs cp_size="),
     (dict(cp_size=0), "cp_size=0"),
 ])
@@ -82,10 +83,18 @@ def test_bad_arguments_are_refused(kwargs, message):
 
 
 def test_report_reads_a_patched_models_settings(pool2):
-    """A patched model: its cp_size and strategy, no cp_size= needed; the counts are those of the unpatched report."""
+    """A patched model: its cp_size, strategy and balance setting, no cp_size= needed; the counts are those of the
+    unpatched report."""
     for patched, unpatched in pool2.run(WB.report_of_patched, "allgather"):
-        assert patched["attention_work"] == unpatched["attention_work"]
-        for key in ("ranges", "attention_work", "tokens", "reason"):
-            assert patched["balanced_plan"][key] == unpatched["balanced_plan"][key]
+        for key in ("ranges", "attention_work", "tokens", "reason", "layout"):
+            assert patched[key] == unpatched[key]
         assert patched["bytes_per_layer"] == [comm_bytes("allgather", 1, 72, 4, 2, 8, 2, None, 4)] * 2
         assert patched["bytes_per_layer"] != unpatched["bytes_per_layer"]  # ring's
+    for patched in pool2.run(WB.report_of_patched, "ring", "row"):
+        assert patched[0]["layout"] == "row" and patched[0]["reason"] == "balance='row'"
+
+
+def test_patch_refuses_an_unknown_balance():
+    """Refused from the arguments alone (so on every rank alike, before any collective), naming the choices."""
+    with pytest.raises(ValueError, match="balance='zigzag' is not one of \\['auto', 'row'\\]"):
+        hfcp.patch(tiny_model("llama"), cp_size=2, balance="zigzag")
