@@ -48,6 +48,10 @@ class Layout:
 
     @property
     def chunk_len(self) -> int:
+        """Tokens per chunk of the zigzag or contiguous split (a balanced layout's ranges have no common length)."""
+        if self.plan is not None:
+            raise ValueError("a balanced layout (hfcp.balance) has ranges of different lengths, no chunk length; "
+                             "what reads it (recurrent mixers) runs on the row layout: balance='row'")
         return self.padded_len // self.num_chunks
 
     @property
@@ -58,7 +62,7 @@ class Layout:
         """Global (start, length) ranges held by `rank`, in local order."""
         if self.plan is not None:
             return self.plan[rank]
-        c = self.chunk_len
+        c = self.padded_len // self.num_chunks
         if not self.zigzag:
             return ((rank * c, c),)
         return ((rank * c, c), ((2 * self.cp_size - 1 - rank) * c, c))

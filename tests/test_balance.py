@@ -180,3 +180,11 @@ def test_bad_plans_are_refused(plan_, message):
         return
     with pytest.raises(ValueError, match=message):
         check_plan(plan_, 2, 8)
+
+
+def test_a_balanced_layout_has_no_chunk_length():
+    """What reads a chunk length (the halos of recurrent mixers) never gets a made-up one from a balanced layout."""
+    plan_ = (((0, 2), (6, 2)), ((2, 4),))
+    assert Layout(8, 2, True).chunk_len == 2
+    with pytest.raises(ValueError, match="no chunk length"):
+        Layout(8, 2, True, plan_).chunk_len
