@@ -208,7 +208,6 @@ def _place_whole(prefix, bundles, ranks: _Ranks, per_rank: int) -> list[tuple[in
 def _fill(prefix, segs: list[tuple[int, int]], ranks: _Ranks, per_rank: int, mean: float) -> None:
     """Split `segs` head-tail over the ranks so that each ends with per_rank tokens and its work nears `mean`:
     smallest segment first, each giving every rank its proportional share of what the rank still lacks."""
-    cp = len(ranks.tokens)
     segs = sorted(segs, key=lambda se: (prefix(*se), se))
     left_tokens = sum(e - s for s, e in segs)
     for j, (s, e) in enumerate(segs):

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention.blocks import MaskSpec
 from .attention.volume import comm_bytes
-from .balance import BALANCE_CHOICES, check_balance, step_layout, why_row_layout
+from .balance import check_balance, step_layout, why_row_layout
 from .checks import check_shapes
 from .families.resolve import patcher_for, plan_patch
 from .hooks.batch import default_positions, take_packed_lengths, text_positions
