@@ -2,6 +2,7 @@
 (gathered back into the original order) and every gradient, for every strategy at cp 2 and 4."""
 import pytest
 
+import workers_balance as WB
 import workers_model as W
 from test_models import _check
 
@@ -40,3 +41,10 @@ def test_balanced_with_lora_and_gradient_checkpointing(pool2):
                                          lora=True, checkpointing=True))
     _check(results)
     assert all(r["balanced"] for r in results)
+
+
+def test_balanced_softcaps(pool2):
+    """Gemma 2: attention and final logit softcaps, sliding and full layers, GQA. (GPT-OSS, with sinks, is left out:
+    transformers' own GPT-OSS lets packed documents attend across each other, under either layout.)"""
+    for r in pool2.run(WB.family_exact, "gemma2", "ring", DOCS_29):
+        assert r["balanced"] and r["loss"] < 1e-5 and r["logits"] < 1e-5 and r["grad"] < 1e-4, r
