@@ -23,7 +23,7 @@ log = logging.getLogger("hfcp")
 
 def patch(model, cp_size: int | None = None, strategy: str = "ring", process_group=None, timeout=None,
           check_inputs: bool = True, loss_chunk: int | str | None = "auto", ulysses_size: int | None = None,
-          device_mesh=None):
+          device_mesh=None, balance: str = "auto"):
     """Make `model` context-parallel in place and return it.
 
     Args:
@@ -44,6 +44,9 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             counts).
         device_mesh: a torch DeviceMesh whose group is the CP group: a 1-D mesh such as `mesh["cp"]`, or a mesh
             with a dimension named "cp". Instead of `process_group`.
+        balance: "auto" (default): a training forward whose rows hold packed documents (position_ids resets)
+            is split so that every rank holds as many tokens and about as much attention work as the others
+            (hfcp.balance); "row": every row zigzag (contiguous for bidirectional models), as one document.
 
     A model that transformers loaded tensor-parallel (`tp_plan`, DistributedConfig) keeps its TP: each rank's
     attention sees its TP rank's heads, and the CP groups run across TP groups (hfcp builds them so with
@@ -52,12 +55,13 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         The same model object. With one process or cp_size 1 the model is left unchanged.
     Raises:
         UnsupportedModelError: no patcher for config.model_type, or an unsupported head.
-        ValueError: unknown strategy, bad cp_size / timeout / check_inputs / loss_chunk, ulysses with indivisible
-            heads, a process_group without this rank, groups the ranks disagree on, a device_mesh without a CP
+        ValueError: unknown strategy or balance, bad cp_size / timeout / check_inputs / loss_chunk, ulysses with
+            indivisible heads, a process_group without this rank, groups the ranks disagree on, a device_mesh without a CP
             dimension, a CP group inside the TP group, a tensor-parallel model with recurrent layers, a VLM or a
             vision model, pipeline stages, already patched with other settings.
     """
-    settings = Settings(cp_size, strategy, process_group, timeout, check_inputs, loss_chunk, ulysses_size, device_mesh)
+    settings = Settings(cp_size, strategy, process_group, timeout, check_inputs, loss_chunk, ulysses_size, device_mesh,
+                        balance)
     inner = find_pretrained(model)
     patcher = patcher_for(inner)  # raises on every rank before any collective
     plan = plan_patch(inner, patcher, settings)

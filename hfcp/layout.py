@@ -19,11 +19,23 @@ class Layout:
 
     zigzag: 2*cp chunks, rank r holds chunks r and 2*cp-1-r (balances causal attention work).
     contiguous: cp chunks, rank r holds chunk r.
+    plan: when given, rank r holds plan[r] instead: ascending (global start, length) ranges, padded_len/cp tokens
+        per rank, every position of the padded sequence exactly once (a balanced layout, hfcp.balance); the padding
+        is that of `zigzag`.
     """
 
     seq_len: int
     cp_size: int
     zigzag: bool
+    plan: tuple[tuple[Range, ...], ...] | None = None
+
+    def __post_init__(self):
+        if self.plan is not None:
+            check_plan(self.plan, self.cp_size, self.padded_len)
+
+    @property
+    def balanced(self) -> bool:
+        return self.plan is not None
 
     @property
     def num_chunks(self) -> int:
@@ -36,6 +48,10 @@ class Layout:
 
     @property
     def chunk_len(self) -> int:
+        """Tokens per chunk of the zigzag or contiguous split (a balanced layout's ranges have no common length)."""
+        if self.plan is not None:
+            raise ValueError("a balanced layout (hfcp.balance) has ranges of different lengths, no chunk length; "
+                             "what reads it (recurrent mixers) runs on the row layout: balance='row'")
         return self.padded_len // self.num_chunks
 
     @property
@@ -44,7 +60,9 @@ class Layout:
 
     def ranges(self, rank: int) -> tuple[Range, ...]:
         """Global (start, length) ranges held by `rank`, in local order."""
-        c = self.chunk_len
+        if self.plan is not None:
+            return self.plan[rank]
+        c = self.padded_len // self.num_chunks
         if not self.zigzag:
             return ((rank * c, c),)
         return ((rank * c, c), ((2 * self.cp_size - 1 - rank) * c, c))
@@ -73,6 +91,31 @@ class Layout:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return inverse if keep_padding else inverse[: self.seq_len]
+
+
+def check_plan(plan, cp_size: int, padded_len: int) -> None:
+    """Raises ValueError unless `plan` gives each of cp_size ranks padded_len/cp_size tokens in ascending ranges and
+    covers every position of [0, padded_len) exactly once."""
+    if len(plan) != cp_size:
+        raise ValueError(f"a layout plan has {len(plan)} ranks' ranges for cp_size={cp_size}")
+    covered = []
+    for rank, ranges in enumerate(plan):
+        tokens = sum(n for _, n in ranges)
+        if tokens != padded_len // cp_size or any(n <= 0 for _, n in ranges):
+            raise ValueError(f"a layout plan gives rank {rank} ranges {ranges} ({tokens} tokens); each rank holds "
+                             f"{padded_len // cp_size} tokens in non-empty ranges")
+        if [s for s, _ in ranges] != sorted(s for s, _ in ranges):
+            raise ValueError(f"a layout plan gives rank {rank} ranges {ranges} out of ascending order")
+        covered += ranges
+    covered.sort()
+    end = 0
+    for start, n in covered:
+        if start != end:
+            raise ValueError(f"a layout plan {'misses' if start > end else 'repeats'} position {min(start, end)} of "
+                             f"{padded_len}")
+        end = start + n
+    if end != padded_len:
+        raise ValueError(f"a layout plan covers {end} positions of {padded_len}")
 
 
 def pad_to(x: torch.Tensor, length: int, dim: int, value) -> torch.Tensor:

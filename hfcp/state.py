@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .attention import STRATEGIES
+from .balance import check_balance
 from .distributed.mesh import Mesh, as_timedelta
 from .forward_data import ForwardData
 from .layout import StepBatch
@@ -34,7 +35,7 @@ class Settings:
     """The options of `hfcp.patch` as the caller gave them (see its docstring), checked; the timeout as a timedelta.
 
     Raises:
-        ValueError: a bad loss_chunk, strategy, check_inputs or timeout, or both process_group and device_mesh.
+        ValueError: a bad loss_chunk, strategy, check_inputs, balance or timeout, or both process_group and device_mesh.
     """
 
     cp_size: int | None = None
@@ -45,9 +46,11 @@ class Settings:
     loss_chunk: int | str | None = "auto"
     ulysses_size: int | None = None
     device_mesh: object = None
+    balance: str = "auto"
 
     def __post_init__(self):
         check_loss_chunk(self.loss_chunk)
+        check_balance(self.balance)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not one of {sorted(STRATEGIES)}")
         if not isinstance(self.check_inputs, bool):

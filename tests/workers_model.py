@@ -44,6 +44,8 @@ def make_batch(case: dict):
                 pos += list(range(int(torch.randint(2, max(3, L // 2), (1,), generator=g))))
             rows.append(pos[:L])
         batch["position_ids"] = torch.tensor(rows)
+    if case.get("documents"):  # one list of document lengths per row
+        batch["position_ids"] = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in case["documents"]])
     if case.get("padded"):
         mask = torch.ones(B, L, dtype=torch.long)
         if case["padded"] == "left":  # valid tokens would see the padding if its mask were dropped
@@ -123,7 +125,7 @@ def run_case(case: dict):
         model = model.to(torch.bfloat16)
     if case.get("ddp"):
         model = torch.nn.parallel.DistributedDataParallel(model)
-    hfcp.patch(model, cp_size=cp, strategy=case["strategy"], loss_chunk=None)  # logits compared too
+    hfcp.patch(model, cp_size=cp, strategy=case["strategy"], loss_chunk=None, **case.get("patch", {}))  # logits too
     losses, gathered = [], []
     for b in [batch, *step_batches]:  # gather_sequence applies to the latest forward's outputs
         out = model(**b)
@@ -146,6 +148,7 @@ def run_case(case: dict):
         worst = max(worst, _rel(g, ref_grads[name]))
     errs["grad"] = worst
     errs["n_grads"] = len(grads)
+    errs["balanced"] = hfcp.cp_state(model).step.layout.balanced
     hfcp.unpatch(model)
     return errs
 

@@ -10,6 +10,7 @@ import torch
 from ..attention.outer_mask import resolve_attention_mask, step_blocks
 from ..attention.step_token import step_token
 from ..checks import check_shapes, check_token_range
+from ..balance import step_layout
 from ..layout import Layout, build_step_batch, document_ids
 from ..loss.cross_entropy import IGNORE_INDEX, shift_labels
 
@@ -156,10 +157,11 @@ def take_packed_lengths(kw: dict, batch: int, length: int) -> None:
         raise ValueError(f"cu_seq_lens {cu.tolist()} and the position_ids resets describe different documents")
 
 
-def shard_inputs(st, kw: dict, layout: Layout, outer_masks) -> None:
+def shard_inputs(st, kw: dict, layout: Layout, outer_masks, masks=None) -> None:
     """The step's metadata from the whole batch in kw (st.step), then kw's per-token inputs replaced by this rank's
     slice: input_ids / inputs_embeds, position_ids of any leading shape ((B, L), (3, B, L) mRoPE, (4, B, L) with a
-    text row) along their last dim, token_type_ids; the mask becomes the step token."""
+    text row) along their last dim, token_type_ids; the mask becomes the step token. masks: the model's attention
+    masks ((MaskSpec, layers) pairs) to balance packed documents over (hfcp.balance.step_layout), or None: `layout`."""
     ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
     x = ids if ids is not None else embeds
     B, L = x.shape[:2]
@@ -171,6 +173,8 @@ def shard_inputs(st, kw: dict, layout: Layout, outer_masks) -> None:
     sb = build_step_batch(layout, st.mesh.cp_rank, B, text_positions(pos), mask, x.device)
     sb.outer_masks, sb.max_position = outer_masks, pos.amax()
     sb.blocks = step_blocks(outer_masks, B, L, layout.padded_len)
+    if masks is not None:
+        sb.layout = step_layout(sb, masks)
     st.step = sb
     if ids is not None:
         kw["input_ids"] = sb.local(ids)

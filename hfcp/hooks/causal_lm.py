@@ -11,7 +11,9 @@ from ..checks import BATCH_NAMES, check_same_batch
 from ..distributed.collectives import all_reduce_no_grad
 from ..forward_data import ForwardData
 from ..inference.generate import generation_cache, prepare_decode, return_cache
+from ..balance import why_row_layout
 from ..layout import Layout
+from ..work import layer_masks
 from ..loss.cross_entropy import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean
 from ..loss.linear_ce import add_token_stats
 from ..loss.router import global_aux
@@ -91,6 +93,7 @@ class LossHook(ModelHook):
         layout = Layout(x.shape[1], st.mesh.cp_size, zigzag=st.patcher.causal)
         check_length_limit(st.patcher, module.config.get_text_config(), layout)
         self._place(kw, layout, outer_masks, pairs, cache)
+        layout = st.step.layout if st.step is not None else layout  # (balanced over packed documents: hfcp.balance)
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None
         self._keep = kw.pop("logits_to_keep", 0) or 0
         if self._keep:  # the model computes every local position's hidden state; the head keeps the global last ones
@@ -246,7 +249,9 @@ class ShardSequenceHook(LossHook):
 
     def _place(self, kw: dict, layout: Layout, outer_masks, pairs, cache) -> None:
         st = self.state
-        shard_inputs(st, kw, layout, outer_masks)
+        balance = st.settings.balance == "auto" and cache is None and not outer_masks and not pairs \
+            and not why_row_layout(st.patcher)  # (generation keeps the row layout its cache is built on)
+        shard_inputs(st, kw, layout, outer_masks, layer_masks(st.modules, True) if balance else None)
         shard_side_inputs(kw, pairs, st.step)
         if cache is not None:  # the prompt's prefill: each rank keeps its tokens' keys and values
             cache.begin_prefill(st.step)
