@@ -20,7 +20,7 @@ RUNS = {
     "generate_long": lambda tmp: [*LAUNCH, "scripts/generate_long.py", "--prompt-tokens", "600", "--max-new-tokens",
                                   "6", "--check", "--json", str(tmp / "summary.json")],
     "vlm_images": lambda tmp: [*BENCH_VLM, "--images", "4", "--cps", "1"],
-    "vlm_video": lambda tmp: [*BENCH_VLM, "--video", "8", "--cps", "2"],
+    "vlm_video": lambda tmp: [*BENCH_VLM, "--video", "8", "--cps", "2", "--one-launch"],
     "bench_dpo": lambda tmp: [sys.executable, "scripts/bench_dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
                               "512", "--json", str(tmp / "bench_dpo.json")],
 }
