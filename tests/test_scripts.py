@@ -22,7 +22,7 @@ RUNS = {
     "vlm_images": lambda tmp: [*BENCH_VLM, "--images", "4", "--cps", "1"],
     "vlm_video": lambda tmp: [*BENCH_VLM, "--video", "8", "--cps", "2", "--one-launch"],
     "bench_dpo": lambda tmp: [sys.executable, "scripts/bench_dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
-                              "512", "--json", str(tmp / "bench_dpo.json")],
+                              "512", "--side-by-side", "--json", str(tmp / "bench_dpo.json")],
 }
 
 
