@@ -216,7 +216,7 @@ def main():
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--one-launch", action="store_true",
-                    help="at each cp > 1, the split and the whole tower in one torchrun (a quicker check of the script)")
+                    help="at each cp > 1, the split and the whole tower in one torchrun (a quicker check)")
     ap.add_argument("--cp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--both", action="store_true", help=argparse.SUPPRESS)
