@@ -25,6 +25,9 @@ RUNS = {
     "launched": lambda tmp: [*LAUNCH, *in_one_process({n: cmd(tmp) for n, cmd in LAUNCHED.items()}, tmp, "launched")],
     "vlm_images": lambda tmp: [*BENCH_VLM, "--images", "4", "--cps", "1"],
     "vlm_video": lambda tmp: [*BENCH_VLM, "--video", "8", "--cps", "2", "--one-launch"],
+    "bench_generate": lambda tmp: [sys.executable, "scripts/bench_generate.py", "--lengths", "200", "--cps", "1",
+                                   "--new-tokens", "3", "--width", "64", "--layers", "1", "--json",
+                                   str(tmp / "rows.json")],
     "bench_dpo": lambda tmp: [sys.executable, "scripts/bench_dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
                               "512", "--side-by-side", "--json", str(tmp / "bench_dpo.json")],
 }
@@ -71,15 +74,12 @@ def test_generate_long_streams_the_tokens_of_one_process(runs):
     assert summary["time_to_first_token_s"] > 0 and summary["decode_tokens_per_s"] > 0, summary
 
 
-def test_bench_generate_prints_a_row_per_run(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_generate
-
-    bench_generate.main(["--lengths", "200", "--cps", "1", "--new-tokens", "3", "--width", "64", "--layers", "1",
-                         "--json", str(tmp_path / "rows.json")])
+def test_bench_generate_prints_a_row_per_run(runs):
+    r, tmp_path = runs["bench_generate"]
+    assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert len(rows) == 1 and rows[0]["prompt_tokens"] == 200 and len(rows[0]["tokens"]) == 3, rows
-    assert "| 200 | 1 |" in capsys.readouterr().out
+    assert "| 200 | 1 |" in r.stdout
 
 
 def test_gpu_check_is_valid_bash_and_refuses_without_a_gpu():
