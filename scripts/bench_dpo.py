@@ -14,7 +14,9 @@ rows, the reference's without gradient) and its backward; measured as the growth
 (scripts/bench_step.PeakRSS), the worst rank. One process runs twice: stock DPOTrainer (TRL's fused head, whose CPU
 fallback scores 4096 tokens x the vocabulary at a time) and DPOTrainer with hfcp's fused head (1024 tokens at a
 time: what CP itself saves is the ratio to this one). cp 1 runs with as many threads as cp 2 has processes. Prints
-a markdown table and writes runs/bench/bench_dpo.json (--json).
+a markdown table and writes runs/bench/bench_dpo.json (--json). --side-by-side starts the three measurements of a
+length at the same time (a quicker check of the script: each process's memory growth is its own, but the step
+times then share the cores).
 """
 from __future__ import annotations
 
@@ -122,7 +124,8 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def measure(seq_len: int, cp: int, args, hfcp_head: bool = False) -> dict:
+def start(seq_len: int, cp: int, args, hfcp_head: bool, out) -> tuple[list, subprocess.Popen]:
+    """(the command, its process) of one measurement, its output going to the open files out = (stdout, stderr)."""
     flags = ["--worker", "--seq-len", str(seq_len), "--cp", str(cp), "--repeats", str(args.repeats),
              "--threads", str(1 if cp > 1 else args.cp), "--layers", str(args.layers), "--vocab", str(args.vocab)]
     flags += (["--no-checkpointing"] if args.no_checkpointing else []) + (["--hfcp-head"] if hfcp_head else [])
@@ -130,10 +133,45 @@ def measure(seq_len: int, cp: int, args, hfcp_head: bool = False) -> dict:
     if cp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp), *cmd[1:]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    if r.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    return cmd, subprocess.Popen(cmd, stdout=out[0], stderr=out[1], text=True, env=env)
+
+
+def measure_length(seq_len: int, args):
+    """Yields the three measurements of one length (stock, hfcp's head, cp), one after the other or (--side-by-side)
+    started at once; output goes to temporary files (a full pipe would stall a process while another is waited for).
+    A failed one (RuntimeError) stops those still running."""
+    runs = ((1, False), (1, True), (args.cp, False))
+    started = []
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [(open(Path(tmp) / f"{i}.out", "w+"), open(Path(tmp) / f"{i}.err", "w+")) for i in range(len(runs))]
+        try:
+            for (cp, hfcp_head), out in zip(runs, outs):
+                started.append(start(seq_len, cp, args, hfcp_head, out))
+                if not args.side_by_side:
+                    yield finish(*started[-1], out, args.timeout)
+            if args.side_by_side:
+                for (cmd, proc), out in zip(started, outs):
+                    yield finish(cmd, proc, out, args.timeout)
+        finally:
+            for _, proc in started:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for f in (f for out in outs for f in out):
+                f.close()
+
+
+def finish(cmd: list, proc: subprocess.Popen, out, timeout: float) -> dict:
+    """The RESULT of a started measurement, once it ends; RuntimeError with its stderr if it failed."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    stdout, stderr = (f.seek(0) or f.read() for f in out)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -162,6 +200,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000, help="vocabulary size of the model")
     ap.add_argument("--json", default="runs/bench/bench_dpo.json", help="where to write the results")
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="start the measurements of a length at the same time (step times then share the cores)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -173,9 +213,9 @@ def main() -> None:
         args.lengths = [2048]
     results = []
     for L in args.lengths:
-        for cp, hfcp_head in ((1, False), (1, True), (args.cp, False)):
-            results.append(measure(L, cp, args, hfcp_head))
-            print(json.dumps(results[-1]), flush=True)
+        for result in measure_length(L, args):
+            results.append(result)
+            print(json.dumps(result), flush=True)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
     print(table(results))

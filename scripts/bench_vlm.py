@@ -10,7 +10,9 @@ Images: a tiny-width LLaVA (SigLIP tower, Llama text model, random weights), for
 so that the vision tower is a large part of the step. --video: a Qwen2-VL of the same widths (its tower takes two
 raw frames per temporal patch and merges 2 x 2 patches: 16 tokens per temporal patch), LoRA (r 16) on the language
 model's projections, as in long-video fine-tuning; the tower is frozen, so its part is its forward. Each
-measurement runs in its own processes (torchrun for cp > 1).
+measurement runs in its own processes (torchrun for cp > 1); --one-launch measures the split and the whole tower in
+the same torchrun, one after the other (a quicker check of the script: the second's memory growth is then measured in
+processes that already ran the first).
 """
 from __future__ import annotations
 
@@ -100,23 +102,36 @@ def build_images(args):
 
 
 def measure(args) -> None:
-    """One configuration, in this process (and its torchrun peers): prints RESULT {json} on rank 0."""
+    """One configuration, in this process (and its torchrun peers): prints RESULT {json} on rank 0; with --both, the
+    split tower's and then the whole tower's, one after the other."""
     import torch
     import torch.distributed as dist
 
     sys.path.insert(0, str(HERE))
-    from bench_step import PeakRSS, fix_mmap_threshold
-
-    import hfcp
-    from hfcp.families.registry import REGISTRY
+    from bench_step import fix_mmap_threshold
 
     fix_mmap_threshold()
     torch.set_num_threads(1)
     if args.cp > 1:
         dist.init_process_group("gloo")
+    for split in ([True, False] if args.both else [args.split]):
+        result = measure_one(args, split)
+        if result is not None:
+            print("RESULT " + json.dumps(result), flush=True)
+
+
+def measure_one(args, split: bool) -> dict | None:
+    """The step's figures with the tower split over the ranks or not (the worst rank's; None on ranks other than 0)."""
+    import torch
+    import torch.distributed as dist
+    from bench_step import PeakRSS
+
+    import hfcp
+    from hfcp.families.registry import REGISTRY
+
     model, batch = build(args)
     if args.cp > 1:
-        if not args.split:  # every rank encodes every image, as peers do
+        if not split:  # every rank encodes every image, as peers do
             import dataclasses
 
             kind = "qwen2_vl" if args.video else "llava"
@@ -140,7 +155,7 @@ def measure(args) -> None:
         mems.append(mem.growth / 2**20)
         vision_times.append(vision.time_s)
         vision_mems.append(vision.mem_mb)
-    result = {"cp": args.cp, "split": bool(args.split and args.cp > 1), "images": args.images, "frames": args.video,
+    result = {"cp": args.cp, "split": bool(split and args.cp > 1), "images": args.images, "frames": args.video,
               "tokens": batch["input_ids"].shape[1], "time_s": sorted(times)[len(times) // 2],
               "vision_s": sorted(vision_times)[len(times) // 2], "peak_mem_mb": max(mems),
               "vision_mem_mb": max(vision_mems), "loss": loss}
@@ -150,8 +165,8 @@ def measure(args) -> None:
             dist.all_gather_object(every, result[key])
             result[key] = max(every)  # the worst rank
         if dist.get_rank() != 0:
-            return
-    print("RESULT " + json.dumps(result), flush=True)
+            return None
+    return result
 
 
 class VisionPart:
@@ -177,19 +192,19 @@ class VisionPart:
         module.register_forward_hook(stop)
 
 
-def run(args, cp: int, split: bool) -> dict | None:
+def run(args, cp: int, split: bool | None) -> list[dict]:
+    """The results of one launch: of the split tower or the whole one, or (split None) of both, split first."""
     own = [str(HERE / "bench_vlm.py"), "--one", "--cp", str(cp), "--images", str(args.images), "--width",
            str(args.width), "--layers", str(args.layers), "--repeats", str(args.repeats), "--video", str(args.video)] + (
-        ["--split"] if split else [])
+        ["--split"] if split else []) + (["--both"] if split is None else [])
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"] + own
            if cp > 1 else [sys.executable] + own)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if len(lines) < (2 if split is None else 1):
         print(out.stdout[-2000:], out.stderr[-3000:], file=sys.stderr)
-        return None
-    return json.loads(line[len("RESULT "):])
+    return [json.loads(line[len("RESULT "):]) for line in lines]
 
 
 def main():
@@ -200,8 +215,11 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--one-launch", action="store_true",
+                    help="at each cp > 1, the split and the whole tower in one torchrun (a quicker check)")
     ap.add_argument("--cp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--both", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.video % 2 or args.video < 0:
@@ -210,9 +228,9 @@ def main():
         return measure(args)
     rows = []
     for cp in args.cps:
-        for split in ([False] if cp == 1 else [True, False]):
-            r = run(args, cp, split)
-            if r:
+        launches = [False] if cp == 1 else [None] if args.one_launch else [True, False]
+        for split in launches:
+            for r in run(args, cp, split):
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     base = next((r for r in rows if r["cp"] == 1), None)

@@ -35,3 +35,13 @@ def pool1():
     pool = DistPool(1, daemon=False)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def job_runs(tmp_path_factory):
+    """(directory, {name: CompletedProcess}) of the fine-tuning job's runs that test_finetune.py and
+    test_full_finetune.py read, started together once (test_finetune.run_the_jobs)."""
+    from test_finetune import run_the_jobs
+
+    d = tmp_path_factory.mktemp("ft")
+    return d, run_the_jobs(d)

@@ -2,14 +2,32 @@
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_quick_runs_and_losses_agree(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """bench.py --quick's process and output directory, and the full fine-tune measurements of one and two ranks
+    (scripts/bench_full.py through bench.measure_full), all three started at the same time (each is a chain of
+    process starts; side by side they share the cores instead of following each other)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    out = tmp_path_factory.mktemp("bench")
+    with ThreadPoolExecutor(3) as threads:
+        quick = threads.submit(subprocess.run, [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out",
+                                                str(out)], capture_output=True, text=True, timeout=300)
+        one, two = (threads.submit(bench.measure_full, 128, 512, world) for world in (1, 2))
+        return {"quick": (quick.result(), out), "full": (one.result(), two.result())}
+
+
+def test_bench_quick_runs_and_losses_agree(runs):
+    r, tmp_path = runs["quick"]
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert {row["cp"] for row in rows} == {1, 2}
@@ -18,13 +36,10 @@ def test_bench_quick_runs_and_losses_agree(tmp_path):
     assert cp2["peak_mem_mb"] > 0 and (tmp_path / "memory_vs_length.png").exists()
 
 
-def test_full_finetune_measurement_shards_the_state(tmp_path):
+def test_full_finetune_measurement_shards_the_state(runs):
     """scripts/bench_full.py (bench.py --level full): parameters, gradients and AdamW moments per rank halve over
     two ranks, and the measured peak covers them."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench
-
-    one, two = bench.measure_full(128, 512, 1), bench.measure_full(128, 512, 2)
+    one, two = runs["full"]
     assert one and two, "a measurement failed (see scripts/bench_full.py)"
     assert abs(two["state_mb"] - one["state_mb"] / 2) <= 0.01 * one["state_mb"], (one, two)
     assert one["peak_mem_mb"] > one["state_mb"] and two["peak_mem_mb"] > two["state_mb"], (one, two)

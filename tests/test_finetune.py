@@ -1,13 +1,11 @@
 """End-to-end: scripts/finetune_lora.py under accelerate launch (2 CPU processes) vs one process."""
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launches import LAUNCH, run_together, script_error
+from launches import LAUNCH, finish, in_one_process, script_error, scripts_results, start_together
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "scripts" / "finetune_lora.py")
@@ -20,39 +18,55 @@ DPO = ["--task", "dpo", "--seq-len", "256", "--batch-size", "2", "--max-steps", 
        "--eval-docs", "4", "--beta", "0.2", "--rpo-alpha", "0.5"]  # RPO: DPO's sigmoid loss + 0.5 x the chosen NLL
 
 
-def _run(cmd, **env):
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
-    return r
-
-
 def _losses(out_dir):
     return [json.loads(line)["loss"] for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The LoRA job in one process and at cp 2, the video and dpo tasks likewise (all six at the same time), then a
-    cp 2 run resumed from the first one's checkpoint."""
-    d = tmp_path_factory.mktemp("ft")
+def run_the_jobs(d: Path) -> dict:
+    """{name: CompletedProcess} of the job's runs, outputs under `d`: the LoRA job in one process and at cp 2, the
+    video and dpo tasks likewise, and test_full_finetune.py's --full-finetune runs (one process and FSDP2 at cp 2, in
+    d / "full"), all at the same time (the single-process runs one after the other in one process, the cp 2 runs
+    of DDP and of the full fine-tune in one launch); once the first cp 2 run has ended, a cp 2 run resumed from its
+    checkpoint. Started once for both files (conftest.py's job_runs)."""
+    from test_full_finetune import COMMON as FULL
+
     # cp 2 from an accelerate config file that sets FSDP2 and a ParallelismConfig (cp_size 2): accelerate alone would
     # refuse it on CPU (its ParallelismConfig needs FSDP2, which it enables only on accelerators); HfcpTrainer takes
     # the cp dimension and hands accelerate none
     config = str(ROOT / "scripts" / "configs" / "accelerate_fsdp2_cp2.yaml")
-    first = run_together({
-        "single": [sys.executable, SCRIPT, *COMMON, "--output-dir", str(d / "single")],
+    singles = {"single": [SCRIPT, *COMMON, "--output-dir", str(d / "single")],
+               "video_single": [SCRIPT, *VIDEO, "--output-dir", str(d / "video_single")],
+               "dpo_single": [SCRIPT, *DPO, "--output-dir", str(d / "dpo_single")],
+               "full_single": [SCRIPT, *FULL, "--output-dir", str(d / "full" / "single")]}
+    launched = {"video_cp2": [SCRIPT, *VIDEO, "--output-dir", str(d / "video_cp2")],
+                "dpo_cp2": [SCRIPT, *DPO, "--output-dir", str(d / "dpo_cp2")],
+                "full_fsdp": [SCRIPT, *FULL, "--output-dir", str(d / "full" / "fsdp_cp2")]}
+    started = start_together({
+        "singles": [sys.executable, *in_one_process(singles, d, "singles")],
         "cp2": [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--main_process_port",
                 "0", SCRIPT, *COMMON, "--output-dir", str(d / "cp2")],
-        "video_single": [sys.executable, SCRIPT, *VIDEO, "--output-dir", str(d / "video_single")],
-        "video_cp2": [*LAUNCH, SCRIPT, *VIDEO, "--output-dir", str(d / "video_cp2")],
-        "dpo_single": [sys.executable, SCRIPT, *DPO, "--output-dir", str(d / "dpo_single")],
-        "dpo_cp2": [*LAUNCH, SCRIPT, *DPO, "--output-dir", str(d / "dpo_cp2")],
+        "launched": [*LAUNCH, *in_one_process(launched, d, "launched")],
     }, d)
-    for name, r in first.items():
-        assert r.returncode == 0, (name, r.stderr[-3000:])
-    assert "dp=1 x cp=2" in first["cp2"].stdout, first["cp2"].stdout[-2000:]
-    resumed = _run([*LAUNCH, SCRIPT, *COMMON, "--output-dir", str(d / "resumed"),
-                    "--resume-from", str(d / "cp2" / "checkpoint-2")])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    done = {"cp2": finish(started.pop("cp2"))}
+    resumed = start_together({"resumed": [*LAUNCH, SCRIPT, *COMMON, "--output-dir", str(d / "resumed"),
+                                          "--resume-from", str(d / "cp2" / "checkpoint-2")]}, d)["resumed"] \
+        if done["cp2"].returncode == 0 else None
+    done |= scripts_results(singles, d, finish(started["singles"]))
+    done |= scripts_results(launched, d, finish(started["launched"]))
+    if resumed is not None:
+        done["resumed"] = finish(resumed, timeout=300)
+    return done
+
+
+@pytest.fixture(scope="module")
+def runs(job_runs):
+    """The LoRA job in one process and at cp 2, the video and dpo tasks likewise, and a cp 2 run resumed from the first
+    one's checkpoint (run_the_jobs)."""
+    d, done = job_runs
+    for name in ("single", "cp2", "video_single", "video_cp2", "dpo_single", "dpo_cp2"):
+        assert done[name].returncode == 0, (name, done[name].stderr[-3000:])
+    assert "dp=1 x cp=2" in done["cp2"].stdout, done["cp2"].stdout[-2000:]
+    assert done["resumed"].returncode == 0, done["resumed"].stderr[-3000:]
     return d
 
 

@@ -1,29 +1,28 @@
 """scripts/finetune_lora.py --full-finetune: every parameter trains, FSDP2 over 2 processes (accelerate launch) and
 the sequence over the CP group, against one process: the same losses and the same trained model."""
 import json
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from launches import LAUNCH, run_together, script_error
-from test_finetune import ROOT, SCRIPT, _losses
+from launches import script_error
+from test_finetune import ROOT, _losses
 
 COMMON = ["--full-finetune", "--seq-len", "256", "--max-steps", "4", "--eval-docs", "1", "--grad-accum", "2",
           "--lr", "2e-3"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("full")
-    done = run_together({"single": [sys.executable, SCRIPT, *COMMON, "--output-dir", str(d / "single")],
-                         "fsdp": [*LAUNCH, SCRIPT, *COMMON, "--output-dir", str(d / "fsdp_cp2")]}, d)
-    single, fsdp = done["single"], done["fsdp"]
+def runs(job_runs):
+    """The job with --full-finetune in one process and under accelerate launch (2 processes), started with
+    test_finetune.py's runs (test_finetune.run_the_jobs)."""
+    d, done = job_runs
+    single, fsdp = done["full_single"], done["full_fsdp"]
     assert single.returncode == 0, single.stderr[-3000:]
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     assert "dp=1 x cp=2, parameters sharded over 2 (FSDP2)" in fsdp.stdout, fsdp.stdout[-2000:]
-    return d
+    return d / "full"
 
 
 def test_losses_equal_single_process(runs):

@@ -8,21 +8,28 @@ import sys
 from pathlib import Path
 
 import pytest
-from launches import LAUNCH, ROOT, run_together
+from launches import LAUNCH, ROOT, in_one_process, run_together, scripts_results
 
 BENCH_VLM = [sys.executable, "scripts/bench_vlm.py", "--repeats", "1", "--width", "64", "--layers", "1"]
 
-# each script run the tests below read, started at the same time
+# the scripts run under one accelerate launch (2 processes), one after the other in its processes
+LAUNCHED = {
+    "example_two": lambda tmp: ["scripts/example_cp.py", "--seq-len", "128", "--steps", "2"],
+    "video_long": lambda tmp: ["scripts/video_long.py", "--frames", "16", "--image-size", "32"],
+    "generate_long": lambda tmp: ["scripts/generate_long.py", "--prompt-tokens", "600", "--max-new-tokens", "6",
+                                  "--check", "--json", str(tmp / "summary.json")],
+}
+# each script run the tests below read (that launch one of them), started at the same time
 RUNS = {
     "example_one": lambda tmp: [sys.executable, "scripts/example_cp.py", "--seq-len", "128", "--steps", "2"],
-    "example_two": lambda tmp: [*LAUNCH, "scripts/example_cp.py", "--seq-len", "128", "--steps", "2"],
-    "video_long": lambda tmp: [*LAUNCH, "scripts/video_long.py", "--frames", "16", "--image-size", "32"],
-    "generate_long": lambda tmp: [*LAUNCH, "scripts/generate_long.py", "--prompt-tokens", "600", "--max-new-tokens",
-                                  "6", "--check", "--json", str(tmp / "summary.json")],
+    "launched": lambda tmp: [*LAUNCH, *in_one_process({n: cmd(tmp) for n, cmd in LAUNCHED.items()}, tmp, "launched")],
     "vlm_images": lambda tmp: [*BENCH_VLM, "--images", "4", "--cps", "1"],
-    "vlm_video": lambda tmp: [*BENCH_VLM, "--video", "8", "--cps", "2"],
+    "vlm_video": lambda tmp: [*BENCH_VLM, "--video", "8", "--cps", "2", "--one-launch"],
+    "bench_generate": lambda tmp: [sys.executable, "scripts/bench_generate.py", "--lengths", "200", "--cps", "1",
+                                   "--new-tokens", "3", "--width", "64", "--layers", "1", "--json",
+                                   str(tmp / "rows.json")],
     "bench_dpo": lambda tmp: [sys.executable, "scripts/bench_dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
-                              "512", "--json", str(tmp / "bench_dpo.json")],
+                              "512", "--side-by-side", "--json", str(tmp / "bench_dpo.json")],
 }
 
 
@@ -30,7 +37,9 @@ RUNS = {
 def runs(tmp_path_factory):
     """{name: (CompletedProcess, the runs' temporary directory)} of RUNS."""
     tmp = tmp_path_factory.mktemp("scripts")
-    return {name: (r, tmp) for name, r in run_together({n: cmd(tmp) for n, cmd in RUNS.items()}, tmp).items()}
+    done = run_together({n: cmd(tmp) for n, cmd in RUNS.items()}, tmp)
+    done |= scripts_results({n: cmd(tmp) for n, cmd in LAUNCHED.items()}, tmp, done.pop("launched"))
+    return {name: (r, tmp) for name, r in done.items()}
 
 
 def test_every_script_is_listed_in_the_scripts_reference():
@@ -65,15 +74,12 @@ def test_generate_long_streams_the_tokens_of_one_process(runs):
     assert summary["time_to_first_token_s"] > 0 and summary["decode_tokens_per_s"] > 0, summary
 
 
-def test_bench_generate_prints_a_row_per_run(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_generate
-
-    bench_generate.main(["--lengths", "200", "--cps", "1", "--new-tokens", "3", "--width", "64", "--layers", "1",
-                         "--json", str(tmp_path / "rows.json")])
+def test_bench_generate_prints_a_row_per_run(runs):
+    r, tmp_path = runs["bench_generate"]
+    assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert len(rows) == 1 and rows[0]["prompt_tokens"] == 200 and len(rows[0]["tokens"]) == 3, rows
-    assert "| 200 | 1 |" in capsys.readouterr().out
+    assert "| 200 | 1 |" in r.stdout
 
 
 def test_gpu_check_is_valid_bash_and_refuses_without_a_gpu():
