@@ -3,7 +3,7 @@ hfcp.integrations.HfcpGRPOTrainer (TRL's GRPOTrainer under CP, completions from 
 embedded tiny Llama.
 
 Each prompt is a key document up to its last words (" so the key is"), as in the dpo task; the policy completes it
-and the reward is rule-based: the share of the key's characters that the completion repeats from its start
+and the reward is rule-based: the share of the key's characters that the completion repeats in their places
 (key_reward). A random tiny model never repeats a key, so every completion would score 0 and GRPO would have no
 signal; the task therefore starts with a short supervised warm-up (--sft-steps, HfcpTrainer under the same CP
 groups) on the same documents, the loss on the answer only, and GRPO then trains the warmed-up policy. The metrics,
@@ -31,13 +31,14 @@ def make_prompt(rng: random.Random, seq_len: int) -> dict:
 
 
 def key_reward(completions: list[str], key: list[str], **kwargs) -> list[float]:
-    """The rule-based reward of each completion: the number of the key's characters it repeats from its start (after
-    one leading space), over the key's length. 1: the whole key; 0.5: its first half, then a wrong character."""
+    """The rule-based reward of each completion: the number of the key's characters it repeats in their places (after
+    one leading space), over the key's length. 1: the whole key; 0.75: the key with two characters wrong. Each
+    character counts on its own: a reward for the leading characters only would penalise the right characters after
+    a wrong first one, teaching a policy that copies imperfectly not to copy."""
     rewards = []
     for completion, k in zip(completions, key):
         said = completion.removeprefix(" ")
-        right = next((i for i, (a, b) in enumerate(zip(said, k)) if a != b), min(len(said), len(k)))
-        rewards.append(right / len(k))
+        rewards.append(sum(a == b for a, b in zip(said, k)) / len(k))
     return rewards
 
 

@@ -207,11 +207,11 @@ def test_grpo_task_cp2_equals_single_process(pool1, pool2, tmp_path):
     assert (runs[1] / "loss_curve.png").stat().st_size > 1000 and (runs[1] / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_grpo_key_reward_counts_leading_key_characters(monkeypatch):
-    """The task's rule-based reward: the share of the key repeated from the completion's start (one leading space
-    allowed), nothing after the first wrong character."""
+def test_grpo_key_reward_counts_key_characters_in_place(monkeypatch):
+    """The task's rule-based reward: the share of the key's characters the completion repeats in their places (one
+    leading space allowed); a wrong character costs its own share only."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import grpo_task
 
     completions = [" ABCDEFGH.", "ABCDEFGH", " ABCDXFGH.", " XBCDEFGH", "", " ABC"]
-    assert grpo_task.key_reward(completions, ["ABCDEFGH"] * 6) == [1.0, 1.0, 0.5, 0.0, 0.0, 0.375]
+    assert grpo_task.key_reward(completions, ["ABCDEFGH"] * 6) == [1.0, 1.0, 0.875, 0.875, 0.0, 0.375]
