@@ -64,7 +64,8 @@ def parse_args(argv=None):
                     help="packed row length (default 2048; dpo: a pair's rows, 256; grpo: prompt and completion, 128)")
     ap.add_argument("--frames", type=int, default=16, help="--task video: frames per video (4 tokens each)")
     ap.add_argument("--batch-size", type=int,
-                    help="rows per CP group per micro-step (default: text 1, video 8; dpo: 8 pairs; grpo: 16 completions)")
+                    help="rows per CP group per micro-step (default: text 1, video 8; dpo: 8 pairs; grpo: 16 "
+                         "completions)")
     ap.add_argument("--cp-size", type=int, default=None, help="ranks per CP group (default: all processes)")
     ap.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses", "usp"])
     ap.add_argument("--lora-r", type=int, default=16)
@@ -136,9 +137,12 @@ def check_grpo_options(args) -> None:
         return
     args.sft_steps = 150 if args.sft_steps is None else args.sft_steps
     args.num_generations = 4 if args.num_generations is None else args.num_generations
-    if args.sft_steps < 0 or args.num_generations < 2:
-        fail(f"--sft-steps {args.sft_steps} must be at least 0 and --num-generations {args.num_generations} at least 2 "
-             f"(GRPO's advantages compare the completions of one prompt)")
+    if args.sft_steps < 1:
+        fail(f"--sft-steps {args.sft_steps} must be positive (the random model repeats no key: without a warm-up every "
+             f"reward is 0 and GRPO trains nothing)")
+    if args.num_generations < 2:
+        fail(f"--num-generations {args.num_generations} must be at least 2 (GRPO's advantages compare the completions "
+             f"of one prompt)")
     batch = args.batch_size or TASK_DEFAULTS["grpo"]["batch_size"]
     if batch % args.num_generations:
         fail(f"--batch-size {batch} must be a multiple of --num-generations {args.num_generations} (a step's "
@@ -368,7 +372,8 @@ def main(argv=None):
 
         trainer, tok, first = grpo_task.make_trainer(model, lora, training, args, sys.modules[__name__], **hfcp_options)
         model, dataset = trainer.model, trainer.train_dataset
-        metric = ("key", lambda m, device: grpo_task.key_scores(m, tok, args.seq_len, args.eval_docs, args.seed, device))
+        metric = ("key", lambda m, device: grpo_task.key_scores(m, tok, args.seq_len, args.eval_docs, args.seed,
+                                                                device))
     else:
         torch.manual_seed(args.seed)
         model = get_peft_model(model, lora)

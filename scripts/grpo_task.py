@@ -19,7 +19,7 @@ from finetune_data import ByteTokenizer, key_document
 
 BOS, EOS = ByteTokenizer.bos_token_id, ByteTokenizer.eos_token_id
 WARMUP_LR = 5e-3  # the warm-up's peak learning rate (the text and dpo tasks'); --lr is GRPO's
-SLACK = 10  # a document of seq_len - SLACK characters, with BOS and EOS, fits in seq_len tokens (the last word runs over)
+SLACK = 10  # a document of seq_len - SLACK characters (its last word runs over), with BOS and EOS, fits in seq_len
 
 
 def make_prompt(rng: random.Random, seq_len: int) -> dict:
@@ -83,8 +83,8 @@ def key_scores(model, tok, seq_len: int, n: int, seed: int, device) -> dict:
     ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows], device=device)
     attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
     model.eval()
-    out = model.generate(input_ids=ids, attention_mask=attention, do_sample=False, max_new_tokens=len(held_out[0]["answer"]),
-                         pad_token_id=PAD, eos_token_id=EOS)
+    out = model.generate(input_ids=ids, attention_mask=attention, do_sample=False, pad_token_id=PAD, eos_token_id=EOS,
+                         max_new_tokens=len(held_out[0]["answer"]))
     model.train()
     rewards = key_reward(tok.batch_decode(out[:, width:], skip_special_tokens=True), [p["key"] for p in held_out])
     return {"reward": sum(rewards) / n, "exact_key_accuracy": sum(r == 1.0 for r in rewards) / n}
@@ -92,8 +92,8 @@ def key_scores(model, tok, seq_len: int, n: int, seed: int, device) -> dict:
 
 def warm_up(model, tok, training: dict, args, job, **hfcp_options):
     """The supervised warm-up: args.sft_steps steps of HfcpTrainer on AnswerRows (the answer's NLL), args.batch_size
-    rows a step, peak learning rate WARMUP_LR; its records in warmup_metrics.jsonl. Returns the trainer and key_scores before
-    the warm-up."""
+    rows a step, peak learning rate WARMUP_LR; its records in warmup_metrics.jsonl. Returns the trainer and the
+    key_scores before the warm-up."""
     from pathlib import Path
 
     from transformers import TrainingArguments
@@ -104,8 +104,7 @@ def warm_up(model, tok, training: dict, args, job, **hfcp_options):
 
     out_dir = Path(training["output_dir"])
     settings = {**training, "output_dir": str(out_dir / "warmup"), "max_steps": args.sft_steps, "save_strategy": "no",
-                "learning_rate": WARMUP_LR,
-                "warmup_steps": max(1, args.sft_steps // 10)}
+                "learning_rate": WARMUP_LR, "warmup_steps": max(1, args.sft_steps // 10)}
     n = max(64, args.sft_steps * args.batch_size * args.grad_accum)  # the same rows for any layout
     trainer = HfcpTrainer(model=model, args=TrainingArguments(**settings),
                           train_dataset=AnswerRows(n, args.seq_len, 10_000 + args.seed), **hfcp_options)

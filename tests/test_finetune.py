@@ -120,12 +120,14 @@ BAD_INPUTS = {
     "grpo_dpo_option": (["--task", "grpo", "--beta", "0.1"], {}, "--beta: options of --task dpo (the task is grpo)"),
     "grpo_option_elsewhere": (["--task", "dpo", "--sft-steps", "5"], {},
                               "--sft-steps: options of --task grpo (the task is dpo)"),
-    "grpo_model": (["--task", "grpo", "--model", "/nonexistent/ckpt"], {}, "--model: the grpo task warms up and trains"),
+    "grpo_model": (["--task", "grpo", "--model", "/nonexistent/ckpt"], {},
+                   "--model: the grpo task warms up and trains"),
     "grpo_resume": (["--task", "grpo", "--resume-from", "/nonexistent"], {}, "--resume-from: the grpo task warms up"),
     "grpo_groups": (["--task", "grpo", "--batch-size", "10"], {},
                     "--batch-size 10 must be a multiple of --num-generations 4"),
     "grpo_one_generation": (["--task", "grpo", "--num-generations", "1"], {},
-                            "--num-generations 1 at least 2 (GRPO's advantages compare"),
+                            "--num-generations 1 must be at least 2 (GRPO's advantages compare"),
+    "grpo_no_warm_up": (["--task", "grpo", "--sft-steps", "0"], {}, "--sft-steps 0 must be positive (the random model"),
     "grpo_seq_len": (["--task", "grpo", "--seq-len", "100"], {}, "--seq-len 100 must be at least 128"),
 }
 
@@ -204,7 +206,8 @@ def test_grpo_task_cp2_equals_single_process(pool1, pool2, tmp_path):
     assert summaries[0] == summaries[1], summaries
     assert {f"{k}_{when}" for k in ("reward", "exact_key_accuracy") for when in ("before_warmup", "before", "after")} \
         | {"adapter_identical_on_all_ranks"} == summaries[1].keys() and summaries[1]["adapter_identical_on_all_ranks"]
-    assert (runs[1] / "loss_curve.png").stat().st_size > 1000 and (runs[1] / "adapter" / "adapter_model.safetensors").is_file()
+    assert (runs[1] / "loss_curve.png").stat().st_size > 1000
+    assert (runs[1] / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_grpo_key_reward_counts_key_characters_in_place(monkeypatch):
