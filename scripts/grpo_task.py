@@ -103,8 +103,8 @@ def warm_up(model, tok, training: dict, args, job, **hfcp_options):
     from hfcp.integrations import HfcpTrainer
 
     out_dir = Path(training["output_dir"])
-    settings = {**training, "output_dir": str(out_dir / "warmup"), "max_steps": args.sft_steps, "save_strategy": "no",
-                "learning_rate": WARMUP_LR, "warmup_steps": max(1, args.sft_steps // 10)}
+    settings = {**training, "max_steps": args.sft_steps, "save_strategy": "no", "learning_rate": WARMUP_LR,
+                "warmup_steps": max(1, args.sft_steps // 10)}  # (it saves nothing: its records only)
     n = max(64, args.sft_steps * args.batch_size * args.grad_accum)  # the same rows for any layout
     trainer = HfcpTrainer(model=model, args=TrainingArguments(**settings),
                           train_dataset=AnswerRows(n, args.seq_len, 10_000 + args.seed), **hfcp_options)
