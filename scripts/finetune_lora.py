@@ -19,6 +19,12 @@ videos answered right, scripts/video_task.py).
 --task dpo: DPO (hfcp.integrations.HfcpDPOTrainer) on the embedded tiny Llama with preference pairs after key
 documents: the chosen answer repeats the document's key, the rejected one gives a wrong key (metric: the share of
 held-out pairs whose chosen answer the policy gives the higher log-probability, scripts/dpo_task.py).
+
+    accelerate launch --multi_gpu --num_processes 2 scripts/finetune_lora.py --task grpo
+
+--task grpo: GRPO (hfcp.integrations.HfcpGRPOTrainer) on the embedded tiny Llama, after a short supervised warm-up:
+the policy completes key documents and a rule-based reward scores the share of the key it repeats (metrics: the
+mean reward and the exact-key accuracy of greedy completions after held-out prompts, scripts/grpo_task.py).
 """
 from __future__ import annotations
 
@@ -42,27 +48,37 @@ from finetune_data import (  # noqa: E402
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_llama.json"
 TASK_DEFAULTS = {"text": dict(seq_len=2048, batch_size=1, lr=5e-3, max_steps=800, eval_docs=8),
                  "video": dict(seq_len=None, batch_size=8, lr=3e-3, max_steps=300, eval_docs=64),
-                 "dpo": dict(seq_len=256, batch_size=8, lr=5e-3, max_steps=250, eval_docs=64)}
+                 "dpo": dict(seq_len=256, batch_size=8, lr=5e-3, max_steps=250, eval_docs=64),
+                 "grpo": dict(seq_len=128, batch_size=16, lr=3e-4, max_steps=100, eval_docs=64)}
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", choices=["text", "video", "dpo"], default="text",
+    ap.add_argument("--task", choices=["text", "video", "dpo", "grpo"], default="text",
                     help="text: long documents (key copy); video: a tiny VLM answers a question about a video; "
-                         "dpo: preference pairs after long documents (the right key preferred over a wrong one)")
+                         "dpo: preference pairs after long documents (the right key preferred over a wrong one); "
+                         "grpo: completions after long documents, rewarded for repeating the key")
     ap.add_argument("--model", help="local checkpoint directory (default: embedded tiny Llama, random weights)")
     ap.add_argument("--data", help="directory of .txt files or .jsonl with 'text' (default: embedded corpus)")
-    ap.add_argument("--seq-len", type=int, help="packed row length (default 2048; dpo: a pair's rows, 256)")
+    ap.add_argument("--seq-len", type=int,
+                    help="packed row length (default 2048; dpo: a pair's rows, 256; grpo: prompt and completion, 128)")
     ap.add_argument("--frames", type=int, default=16, help="--task video: frames per video (4 tokens each)")
-    ap.add_argument("--batch-size", type=int, help="rows per CP group per micro-step (default: text 1, video 8)")
+    ap.add_argument("--batch-size", type=int,
+                    help="rows per CP group per micro-step (default: text 1, video 8; dpo: 8 pairs; grpo: 16 "
+                         "completions)")
     ap.add_argument("--cp-size", type=int, default=None, help="ranks per CP group (default: all processes)")
     ap.add_argument("--strategy", default="ring", choices=["ring", "allgather", "ulysses", "usp"])
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--beta", type=float, help="--task dpo: DPO's beta, the scale of its log-ratios (default 0.5)")
     ap.add_argument("--rpo-alpha", type=float,
                     help="--task dpo: weight of the chosen answer's NLL added to the DPO loss (RPO; default 1; 0: DPO)")
-    ap.add_argument("--lr", type=float, help="peak learning rate (default: text, dpo 5e-3, video 3e-3)")
-    ap.add_argument("--max-steps", type=int, help="optimizer steps (default: text 800, video 300, dpo 250)")
+    ap.add_argument("--sft-steps", type=int,
+                    help="--task grpo: supervised warm-up steps on the answers before GRPO (default 150)")
+    ap.add_argument("--num-generations", type=int,
+                    help="--task grpo: completions sampled per prompt, a group of GRPO (default 4)")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: text, dpo 5e-3, video 3e-3, grpo 3e-4)")
+    ap.add_argument("--max-steps", type=int,
+                    help="optimizer steps (default: text 800, video 300, dpo 250, grpo 100 after the warm-up)")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--loss-chunk", type=int, default=1024,
@@ -85,6 +101,7 @@ def parse_args(argv=None):
         if args.frames < 1:
             fail(f"--frames {args.frames} must be positive")
     check_dpo_options(args)
+    check_grpo_options(args)
     for name, value in TASK_DEFAULTS[args.task].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -109,6 +126,35 @@ def check_dpo_options(args) -> None:
              f"after key documents; {given[0]} is for --task text")
 
 
+def check_grpo_options(args) -> None:
+    """--sft-steps / --num-generations belong to --task grpo (set to their defaults there); the grpo task refuses what
+    it ignores."""
+    given = [flag for flag, value in (("--sft-steps", args.sft_steps), ("--num-generations", args.num_generations))
+             if value is not None]
+    if args.task != "grpo":
+        if given:
+            fail(f"{', '.join(given)}: options of --task grpo (the task is {args.task})")
+        return
+    args.sft_steps = 150 if args.sft_steps is None else args.sft_steps
+    args.num_generations = 4 if args.num_generations is None else args.num_generations
+    if args.sft_steps < 1:
+        fail(f"--sft-steps {args.sft_steps} must be positive (the random model repeats no key: without a warm-up every "
+             f"reward is 0 and GRPO trains nothing)")
+    if args.num_generations < 2:
+        fail(f"--num-generations {args.num_generations} must be at least 2 (GRPO's advantages compare the completions "
+             f"of one prompt)")
+    batch = args.batch_size or TASK_DEFAULTS["grpo"]["batch_size"]
+    if batch % args.num_generations:
+        fail(f"--batch-size {batch} must be a multiple of --num-generations {args.num_generations} (a step's "
+             f"completions are whole groups of one prompt each)")
+    given = [flag for flag, value in (("--model", args.model), ("--data", args.data),
+                                      ("--full-finetune", args.full_finetune), ("--resume-from", args.resume_from),
+                                      ("--save-every", args.save_every)) if value]
+    if given:
+        fail(f"{', '.join(given)}: the grpo task warms up and trains the embedded tiny Llama with LoRA in one run, on "
+             f"prompts generated from key documents; {given[0]} is for --task text")
+
+
 def fail(msg: str):
     raise SystemExit(f"finetune_lora.py: error: {msg}")
 
@@ -130,9 +176,10 @@ def validate(args, world: int) -> list[str] | None:
              f"positive")
     if args.task == "video":
         return None
-    if args.seq_len < (128 if args.task == "dpo" else 2):
-        fail(f"--seq-len {args.seq_len} must be at least {128 if args.task == 'dpo' else 2}"
-             + (" (a key document, its question and answer)" if args.task == "dpo" else ""))
+    least = 128 if args.task in ("dpo", "grpo") else 2
+    if args.seq_len < least:
+        fail(f"--seq-len {args.seq_len} must be at least {least}"
+             + (" (a key document, its question and answer)" if least > 2 else ""))
     config = json.loads(((Path(args.model) / "config.json") if args.model else CONFIG).read_text())
     limit = config.get("max_position_embeddings")
     if limit is not None and args.seq_len > limit:
@@ -224,20 +271,22 @@ class Rows(torch.utils.data.Dataset):
         return dict(zip(("input_ids", "position_ids", "labels"), self.rows[i]))
 
 
-def make_recorder(out_dir: Path, start_step: int, tokens_per_step: int, device, is_main: bool):
-    """A TrainerCallback: metrics.jsonl (step, loss, tokens_per_s, peak_mem_mb, lr per optimizer step) on the
-    main process, and a progress bar that shows them instead of printing every log line."""
+def make_recorder(out_dir: Path, start_step: int, tokens_per_step: int, device, is_main: bool,
+                  name: str = "metrics.jsonl", desc: str = "train"):
+    """A TrainerCallback: `name` in out_dir (step, loss, tokens_per_s, peak_mem_mb, lr per optimizer step, and the
+    mean reward where GRPO logs one) on the main process, and a progress bar that shows them instead of printing
+    every log line."""
     from transformers import TrainerCallback
 
     class Recorder(TrainerCallback):
         def __init__(self):
-            self.file = open_metrics(out_dir / "metrics.jsonl", start_step) if is_main else None
+            self.file = open_metrics(out_dir / name, start_step) if is_main else None
             self.bar, self.t0, self.step_s = None, None, None
 
         def on_train_begin(self, args, state, control, **kw):
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, disable=not is_main, desc="train")
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, disable=not is_main, desc=desc)
 
         def on_step_begin(self, args, state, control, **kw):
             self.t0 = time.perf_counter()
@@ -251,6 +300,8 @@ def make_recorder(out_dir: Path, start_step: int, tokens_per_step: int, device, 
                 return
             record = {"step": state.global_step, "loss": logs["loss"], "tokens_per_s": tokens_per_step / self.step_s,
                       "peak_mem_mb": peak_mem_mb(device), "lr": logs["learning_rate"]}
+            if "reward" in logs:  # GRPO: the mean reward of the step's completions
+                record["reward"] = logs["reward"]
             if self.file:
                 self.file.write(json.dumps(record) + "\n")
                 self.file.flush()
@@ -277,7 +328,7 @@ def main(argv=None):
 
     if args.task == "video":
         model, dataset, collate, metric = video_setup(args)
-    elif args.task == "dpo":
+    elif args.task in ("dpo", "grpo"):
         model, _ = load_model_and_tokenizer(args)  # its data and metric: with the trainer, below
     else:
         model, tok = load_model_and_tokenizer(args)
@@ -316,6 +367,13 @@ def main(argv=None):
         model, dataset = trainer.model, trainer.train_dataset
         metric = ("preference", lambda m, device: dpo_task.preference_accuracy(m, tok, args.seq_len, args.eval_docs,
                                                                                args.seed, device))
+    elif args.task == "grpo":  # a supervised warm-up first (under the same CP groups), then HfcpGRPOTrainer
+        import grpo_task
+
+        trainer, tok, first = grpo_task.make_trainer(model, lora, training, args, sys.modules[__name__], **hfcp_options)
+        model, dataset = trainer.model, trainer.train_dataset
+        metric = ("key", lambda m, device: grpo_task.key_scores(m, tok, args.seq_len, args.eval_docs, args.seed,
+                                                                device))
     else:
         torch.manual_seed(args.seed)
         model = get_peft_model(model, lora)
@@ -333,23 +391,30 @@ def main(argv=None):
                                        * dp_size, device, acc.is_main_process))
 
     name, accuracy = metric
-    before = accuracy(model, device)
+    scores = lambda value: value if isinstance(value, dict) else {f"{name}_accuracy": value}  # noqa: E731
+    before = scores(accuracy(model, device))
     acc.print(f"hfcp: {acc.num_processes} processes, dp={dp_size} x cp={acc.num_processes // dp_size}, "
               f"strategy={args.strategy}, {len(dataset)} {'pairs of rows up to' if rows == 2 else 'rows of'} "
-              f"{args.seq_len} tokens; {name} accuracy before: {before:.3f}")
+              f"{args.seq_len} tokens; {described(before)} before")
     trainer.train(resume_from_checkpoint=args.resume_from)
     if acc.is_main_process:
         model.save_pretrained(out_dir / "adapter")
     same = adapter_identical_on_all_ranks(acc, model)
-    after = accuracy(model, device)
-    acc.print(f"{name} accuracy after: {after:.3f} (before {before:.3f}); adapter identical on all ranks: {same}; "
+    after = scores(accuracy(model, device))
+    acc.print(f"{described(after)} after ({described(before)} before); adapter identical on all ranks: {same}; "
               f"adapter and metrics in {out_dir}")
     if acc.is_main_process:
-        (out_dir / "summary.json").write_text(json.dumps(
-            {f"{name}_accuracy_before": before, f"{name}_accuracy_after": after,
-             "adapter_identical_on_all_ranks": same}))
+        summary = {f"{k}_before": v for k, v in before.items()} | {f"{k}_after": v for k, v in after.items()}
+        if args.task == "grpo":  # the random model's, before the warm-up
+            summary |= {f"{k}_before_warmup": v for k, v in first.items()}
+        (out_dir / "summary.json").write_text(json.dumps(summary | {"adapter_identical_on_all_ranks": same}))
         plot_losses(out_dir)
     acc.wait_for_everyone()
+
+
+def described(scores: dict) -> str:
+    """"key accuracy 0.125, ...": each score's name in words, its value."""
+    return ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in scores.items())
 
 
 def adapter_identical_on_all_ranks(acc, model) -> bool:
@@ -384,9 +449,12 @@ def plot_losses(out_dir: Path):
         return
     recs = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     plt.figure(figsize=(6, 3.5))
-    plt.plot([r["step"] for r in recs], [r["loss"] for r in recs])
+    plt.plot([r["step"] for r in recs], [r["loss"] for r in recs], label="loss")
+    if "reward" in recs[0]:  # GRPO: its loss hovers about 0; the reward is what rises
+        plt.plot([r["step"] for r in recs], [r["reward"] for r in recs], label="mean reward")
+        plt.legend()
     plt.xlabel("optimizer step")
-    plt.ylabel("loss")
+    plt.ylabel("loss" if "reward" not in recs[0] else "loss, mean reward")
     plt.title("fine-tune under hfcp")
     plt.tight_layout()
     plt.savefig(out_dir / "loss_curve.png", dpi=100)

@@ -16,6 +16,8 @@ VIDEO = ["--task", "video", "--frames", "8", "--batch-size", "2", "--max-steps",
          "--eval-docs", "2"]
 DPO = ["--task", "dpo", "--seq-len", "256", "--batch-size", "2", "--max-steps", "3", "--lora-r", "4",
        "--eval-docs", "4", "--beta", "0.2", "--rpo-alpha", "0.5"]  # RPO: DPO's sigmoid loss + 0.5 x the chosen NLL
+GRPO = ["--task", "grpo", "--sft-steps", "3", "--max-steps", "2", "--batch-size", "8", "--num-generations", "4",
+        "--lora-r", "4", "--eval-docs", "4", "--lr", "5e-3"]
 
 
 def _losses(out_dir):
@@ -129,6 +131,18 @@ BAD_INPUTS = {
     "dpo_beta": (["--task", "dpo", "--beta", "0"], {}, "--beta 0.0 must be positive and --rpo-alpha 1.0 at least 0"),
     "dpo_option_elsewhere": (["--rpo-alpha", "1"], {}, "--rpo-alpha: options of --task dpo (the task is text)"),
     "dpo_seq_len": (["--task", "dpo", "--seq-len", "64"], {}, "--seq-len 64 must be at least 128 (a key document"),
+    "grpo_dpo_option": (["--task", "grpo", "--beta", "0.1"], {}, "--beta: options of --task dpo (the task is grpo)"),
+    "grpo_option_elsewhere": (["--task", "dpo", "--sft-steps", "5"], {},
+                              "--sft-steps: options of --task grpo (the task is dpo)"),
+    "grpo_model": (["--task", "grpo", "--model", "/nonexistent/ckpt"], {},
+                   "--model: the grpo task warms up and trains"),
+    "grpo_resume": (["--task", "grpo", "--resume-from", "/nonexistent"], {}, "--resume-from: the grpo task warms up"),
+    "grpo_groups": (["--task", "grpo", "--batch-size", "10"], {},
+                    "--batch-size 10 must be a multiple of --num-generations 4"),
+    "grpo_one_generation": (["--task", "grpo", "--num-generations", "1"], {},
+                            "--num-generations 1 must be at least 2 (GRPO's advantages compare"),
+    "grpo_no_warm_up": (["--task", "grpo", "--sft-steps", "0"], {}, "--sft-steps 0 must be positive (the random model"),
+    "grpo_seq_len": (["--task", "grpo", "--seq-len", "100"], {}, "--seq-len 100 must be at least 128"),
 }
 
 
@@ -183,3 +197,38 @@ def test_dpo_tokenizer_gives_the_byte_tokenizer_ids(monkeypatch):
     assert tok(text)["input_ids"] == ByteTokenizer()(text)["input_ids"]
     assert tok(text + tok.eos_token)["input_ids"][-1] == ByteTokenizer.eos_token_id == tok.eos_token_id
     assert tok.pad_token_id == dpo_task.PAD and tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+
+
+def test_grpo_task_cp2_equals_single_process(pool1, pool2, tmp_path):
+    """--task grpo, run in the test pools' workers (no process start of its own): the supervised warm-up, then GRPO
+    steps whose completions the policy samples under CP and key_reward scores. At cp 2 the warm-up's losses, each
+    step's mean reward and loss, and the greedy scores before and after equal one process's."""
+    import workers_finetune
+
+    for pool, name in ((pool1, "single"), (pool2, "cp2")):
+        pool.run(workers_finetune.finetune_main, [*GRPO, "--output-dir", str(tmp_path / name)])
+    runs = [tmp_path / r for r in ("single", "cp2")]
+    warm = [[json.loads(line)["loss"] for line in (r / "warmup_metrics.jsonl").read_text().splitlines()] for r in runs]
+    steps = [[json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()] for r in runs]
+    assert len(warm[0]) == len(warm[1]) == 3 and warm[0][-1] < warm[0][0], warm
+    for a, b in zip(*warm):
+        assert abs(a - b) <= 1e-5 * abs(a), warm
+    assert len(steps[0]) == len(steps[1]) == 2, steps
+    for a, b in zip(*steps):  # the same completions drawn at cp 2: the same rewards
+        assert a["reward"] == b["reward"] and abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"])), steps
+    summaries = [json.loads((r / "summary.json").read_text()) for r in runs]
+    assert summaries[0] == summaries[1], summaries
+    assert {f"{k}_{when}" for k in ("reward", "exact_key_accuracy") for when in ("before_warmup", "before", "after")} \
+        | {"adapter_identical_on_all_ranks"} == summaries[1].keys() and summaries[1]["adapter_identical_on_all_ranks"]
+    assert (runs[1] / "loss_curve.png").stat().st_size > 1000
+    assert (runs[1] / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_grpo_key_reward_counts_key_characters_in_place(monkeypatch):
+    """The task's rule-based reward: the share of the key's characters the completion repeats in their places (one
+    leading space allowed); a wrong character costs its own share only."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import grpo_task
+
+    completions = [" ABCDEFGH.", "ABCDEFGH", " ABCDXFGH.", " XBCDEFGH", "", " ABC"]
+    assert grpo_task.key_reward(completions, ["ABCDEFGH"] * 6) == [1.0, 1.0, 0.875, 0.875, 0.0, 0.375]
