@@ -29,6 +29,16 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _grads_of_any_rank(model) -> dict:
+    """_grads, with zeros for a parameter that has a gradient on another rank only (an MoE expert no token of this
+    rank's shard was routed to), so that every rank averages the same tensors."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    seen = torch.tensor([p.grad is not None for _, p in params], dtype=torch.int32)
+    dist.all_reduce(seen)
+    return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for (n, p), anywhere in zip(params, seen.tolist()) if anywhere}
+
+
 def _averaged(grads: dict) -> dict:
     """The gradients averaged over the ranks, in one all-reduce per dtype (not one per parameter: the sweep's
     thousands of small collectives cost more than its models' backward passes)."""
@@ -171,7 +181,7 @@ def _run(model, data, patched: bool):
         loss.backward()
     finally:
         hfcp.unpatch(model)
-    return loss.item(), _averaged(_grads(model)) if patched else _grads(model)
+    return loss.item(), _averaged(_grads_of_any_rank(model)) if patched else _grads(model)
 
 
 def _padding(make, plain: dict) -> str:
@@ -243,7 +253,7 @@ def _patched_errors(model, data, strategy: str, want: dict, ref_loss: float):
         loss.backward()
     finally:
         hfcp.unpatch(model)
-    got = _averaged(_grads(model))
+    got = _averaged(_grads_of_any_rank(model))
     grad_err = grad_error(got, want) if want else math.inf
     return abs(loss.item() - ref_loss) / abs(ref_loss), grad_err, got.keys() == want.keys()
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from hfcp.testing.tiny_vlm import image_batch, text_batch, tiny_vlm
 from hfcp.commands.verify import grad_error
 
-from sweep_families import GRAD_TOL, LOSS_TOL, _averaged, _grads  # the family sweep's tolerances and helpers
+from sweep_families import GRAD_TOL, LOSS_TOL, _averaged, _grads, _grads_of_any_rank  # the family sweep's tolerances and helpers
 
 
 def _compare(make, make_batch, strategy: str = "ring") -> dict:
@@ -45,7 +45,7 @@ def _compare(make, make_batch, strategy: str = "ring") -> dict:
         return {"result": "refused" if refused else "error", "detail": f"{type(e).__name__}: {str(e)[:300]}"}
     finally:
         hfcp.unpatch(model)
-    grads = _averaged(_grads(model))
+    grads = _averaged(_grads_of_any_rank(model))
     ref_grads = _grads(ref)
     loss_err = abs(got.item() - want.item()) / abs(want.item())
     grad_err = grad_error(grads, ref_grads) if grads.keys() == ref_grads.keys() else float("inf")
