@@ -84,7 +84,7 @@ def load_model(model: str, dtype=torch.float32, head: str | None = None):
 
         config = AutoConfig.from_pretrained(model)
         cls = auto_class(config.model_type, config)
-        return cls.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").train()
+        return cls.from_pretrained(model, dtype=dtype, attn_implementation=reference_attention(cls, config)).train()
     if model in AUDIO_TYPES() and head is None:
         from ..testing.tiny_audio import tiny_audio
 
@@ -96,6 +96,13 @@ def load_model(model: str, dtype=torch.float32, head: str | None = None):
     from ..testing.tiny import tiny_model
 
     return tiny_model(model, head=head).to(dtype)
+
+
+def reference_attention(auto_cls, config) -> str:
+    """The attention of the unpatched reference: "sdpa", or "eager" for a class that transformers builds without SDPA
+    (Gemma 2's: asked for "sdpa", it raises; hfcp's attention replaces either once patched)."""
+    cls = auto_cls._model_mapping.get(type(config), None)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
 def _is_vlm(model) -> bool:

@@ -40,6 +40,14 @@ def as_kwargs(module, args, kwargs) -> dict:
     return {**named, **kwargs}
 
 
+def check_input_dims(ids: torch.Tensor | None, embeds: torch.Tensor | None) -> None:
+    """Raises ValueError unless input_ids is (batch, seq) and inputs_embeds (batch, seq, hidden) (either may be None)."""
+    if ids is not None and ids.dim() != 2:
+        raise ValueError(f"input_ids has shape {tuple(ids.shape)}; hfcp needs (batch, seq): add a batch dimension")
+    if embeds is not None and embeds.dim() != 3:
+        raise ValueError(f"inputs_embeds has shape {tuple(embeds.shape)}; hfcp needs (batch, seq, hidden)")
+
+
 def check_call(kw: dict) -> dict | None:
     """Refuse call styles hfcp cannot run (decided by the call, not the data, so before any collective); a mask
     built outside the patched forward becomes the key padding it stands for, or is refused. Returns the forms of
@@ -83,10 +91,7 @@ def check_lm_batch(module, kw: dict, labels_kind: str | None):
     ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
     if ids is None and embeds is None:
         raise ValueError("hfcp needs input_ids or inputs_embeds to shard the sequence")
-    if ids is not None and ids.dim() != 2:
-        raise ValueError(f"input_ids has shape {tuple(ids.shape)}; hfcp needs (batch, seq): add a batch dimension")
-    if embeds is not None and embeds.dim() != 3:
-        raise ValueError(f"inputs_embeds has shape {tuple(embeds.shape)}; hfcp needs (batch, seq, hidden)")
+    check_input_dims(ids, embeds)
     x = ids if ids is not None else embeds
     if ids is not None:
         check_token_range("input_ids", ids, vocab_size(module, "input"))

@@ -11,7 +11,7 @@ from transformers.models.auto import modeling_auto
 from ..checks import check_shapes, check_token_range
 from ..distributed.tensor_parallel import is_sharded
 from ..families.forward_source import logit_transform
-from ..hooks.batch import vocab_size
+from ..hooks.batch import check_input_dims, vocab_size
 from ..hooks.outputs import swap_forward
 from ..state import find_pretrained
 from .cross_entropy import shift_labels
@@ -51,6 +51,10 @@ def output_head(inner, state):
 def shifted_targets(inner, x: torch.Tensor, labels, mask, attention_mask) -> torch.Tensor:
     """(B, L) the target of each token (labels shifted over the whole sequence), IGNORE_INDEX where none is counted:
     labels -100, mask false or the target a padding token (attention_mask 0). Raises alike on every rank."""
+    if x.is_floating_point():
+        check_input_dims(None, x)  # inputs_embeds
+    else:
+        check_input_dims(x, None)
     check_shapes({"labels": labels, "attention_mask": attention_mask}, *x.shape[:2])
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(labels.shape):
