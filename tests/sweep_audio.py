@@ -70,3 +70,23 @@ def legacy_placeholders_refused() -> str:
     finally:
         hfcp.unpatch(model)
     return "nothing raised"
+
+
+def generate_after_clips(model_type: str) -> str:
+    """Greedy generate() after an audio prompt (three clips, two rows), patched against unpatched: "same tokens",
+    "different tokens" or the ValueError's message."""
+    import hfcp
+
+    ref = tiny_audio(model_type).eval()
+    model = copy.deepcopy(ref)
+    data = audio_batch(ref)
+    data.pop("labels")
+    want = ref.generate(**data, max_new_tokens=6, do_sample=False)
+    hfcp.patch(model, process_group=dist.group.WORLD)
+    try:
+        got = model.generate(**data, max_new_tokens=6, do_sample=False)
+    except ValueError as e:
+        return str(e)
+    finally:
+        hfcp.unpatch(model)
+    return "same tokens" if torch.equal(got, want) else "different tokens"

@@ -49,3 +49,11 @@ def test_legacy_placeholders_refused_on_every_rank(pool2):
     """One placeholder per clip (expanded inside the model) changes the sequence's length after hfcp split it."""
     for message in pool2.run(S.legacy_placeholders_refused, timeout=300):
         assert "merged sequence has" in message and "tokens but input_ids had 48" in message, message
+
+
+def test_generate_after_an_audio_prompt(pool2):
+    """Voxtral: the tokens of the unpatched model; Qwen2-Audio, whose forward takes no logits_to_keep (each rank would
+    read its own shard's last position), refused on every rank before generating."""
+    assert pool2.run(S.generate_after_clips, "voxtral", timeout=300) == ["same tokens"] * 2
+    for message in pool2.run(S.generate_after_clips, "qwen2_audio", timeout=300):
+        assert "forward takes no logits_to_keep" in message and "hfcp.unpatch" in message, message

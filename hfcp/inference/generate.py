@@ -9,6 +9,8 @@ decode step, whose few new tokens every rank runs alike.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
@@ -157,6 +159,10 @@ def wrap_generate(model, group):
                 raise ValueError(f"hfcp: generate({name}=True) on a patched model: each rank holds its shard of the "
                                  f"prompt, so what generate() would return is a rank's shard; leave {name} off (a "
                                  "forward returns hidden states local, for hfcp.gather_sequence)")
+        if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
+            raise ValueError(f"hfcp: {type(model).__name__}.forward takes no logits_to_keep, so generate() would read "
+                             "the last position's logits from each rank's shard of the prompt; hfcp does not generate "
+                             "with it: call hfcp.unpatch(model) to generate")
         criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [TokensAgree(group)])
         return original(*args, stopping_criteria=criteria, **kwargs)
 
