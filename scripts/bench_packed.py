@@ -1,14 +1,14 @@
 """Packed rows: step time of hfcp's balanced layout (balance="auto") against zigzag (balance="row"), in one run.
 
-    torchrun --standalone --nproc-per-node 2 scripts/bench_packed.py                 # 16K-token rows, 5 rounds
-    torchrun --standalone --nproc-per-node 2 scripts/bench_packed.py --length 1024 --rounds 1   # a smoke run
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/bench_packed.py    # 16K tokens, 5 rounds
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/bench_packed.py --length 1024 --rounds 1
 
 One LoRA training step (forward + backward) of the benchmark's Llama (scripts/bench_step.py) on one packed row per
 workload, seeded, with the document generators of tests/test_balance.py: "long-tail" (lognormal lengths, median 1.1K
 tokens) and "one-long" (a document of half the row, then short ones). Two copies of the same model are patched, one
 per balance setting, and the rounds interleave them (round: every workload, each setting), so a slow spell of the
-machine hits both alike. Per step the time kept is the slowest rank's; per configuration the median over rounds; the ratio auto / row of the
-medians, and in brackets the median of each round's ratio.
+machine hits both alike. Per step the time kept is the slowest rank's; per configuration the median over rounds; the
+ratio auto / row of the medians, and in brackets the median of each round's ratio.
 Prints a markdown table (rank 0) with the counted attention work max / mean of each layout (hfcp.balance_report),
 the step times, their ratio auto / row, and both losses; --out writes the rows as JSON.
 """
@@ -37,7 +37,8 @@ BALANCES = ("auto", "row")
 def packed_row(workload: str, length: int, seed: int) -> dict:
     """One row of `length` tokens: random ids, position_ids restarting at each document, labels = ids."""
     positions = documents(WORKLOADS[workload](length, seed))[None]
-    ids = torch.randint(0, bench_step.MODEL_SHAPE["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))
+    vocab = bench_step.MODEL_SHAPE["vocab_size"]
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "position_ids": positions, "labels": ids}
 
 
@@ -88,12 +89,14 @@ def _median(values: list[float]) -> float:
 
 
 def table(rows) -> str:
-    out = ["| row | work max/mean: row -> auto | step s: row | step s: auto | auto / row (per round) | loss row / auto |",
+    out = ["| row | work max/mean: row -> auto | step s: row | step s: auto | auto / row (per round) "
+           "| loss row / auto |",
            "|---|---|---|---|---|---|"]
     for r in rows:
         w, t, loss = r["work_imbalance"], r["time_s"], r["loss"]
         out.append(f"| {r['length']} tokens, {r['workload']} | {w['row']:.2f} -> {w['auto']:.3f} | {t['row']:.2f} | "
-                   f"{t['auto']:.2f} | {r['ratio']:.2f} ({r['ratio_paired']:.2f}) | {loss['row']:.6f} / {loss['auto']:.6f} |")
+                   f"{t['auto']:.2f} | {r['ratio']:.2f} ({r['ratio_paired']:.2f}) | "
+                   f"{loss['row']:.6f} / {loss['auto']:.6f} |")
     return "\n".join(out)
 
 
