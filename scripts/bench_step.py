@@ -83,14 +83,27 @@ class PeakRSS:
             self.growth = max(self.peak, self._rss()) - self.base
 
 
+MODEL_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=2)
+
+
+def lora_llama(seq_len: int, device):
+    """The benchmark's Llama (MODEL_SHAPE, seeded) with LoRA adapters on its attention projections."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL_SHAPE, max_position_embeddings=seq_len))
+    return get_peft_model(model.to(device), LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
 def model_step(args, device):
     import transformers
     from peft import LoraConfig, get_peft_model
 
     import hfcp
 
-    shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=2, max_position_embeddings=args.seq_len)
+    shape = dict(MODEL_SHAPE, max_position_embeddings=args.seq_len)
     torch.manual_seed(0)
     if args.arch == "qwen3_next":  # the same size, 3 of its 4 layers gated delta nets (Qwen3-Next's 3:1 pattern)
         cfg = transformers.Qwen3NextConfig(**shape, head_dim=32, num_experts=0, linear_num_key_heads=4,
@@ -98,10 +111,9 @@ def model_step(args, device):
                                            layer_types=["linear_attention"] * 3 + ["full_attention"])
         model = transformers.Qwen3NextForCausalLM(cfg).to(device)
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "out_proj"]
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
     else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).to(device)
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
+        model = lora_llama(args.seq_len, device)
     ids = torch.randint(0, 4096, (1, args.seq_len), generator=torch.Generator().manual_seed(1)).to(device)
     if args.cp > 1 and args.strategy == "deepspeed":
         return deepspeed_model_step(model, ids, args, device)

@@ -18,6 +18,8 @@ LAUNCHED = {
     "video_long": lambda tmp: ["scripts/video_long.py", "--frames", "16", "--image-size", "32"],
     "generate_long": lambda tmp: ["scripts/generate_long.py", "--prompt-tokens", "600", "--max-new-tokens", "6",
                                   "--check", "--json", str(tmp / "summary.json")],
+    "bench_packed": lambda tmp: ["scripts/bench_packed.py", "--length", "1024", "--workloads", "long-tail", "--rounds",
+                                 "1", "--out", str(tmp / "packed.json")],
 }
 # each script run the tests below read (that launch one of them), started at the same time
 RUNS = {
@@ -80,6 +82,17 @@ def test_bench_generate_prints_a_row_per_run(runs):
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert len(rows) == 1 and rows[0]["prompt_tokens"] == 200 and len(rows[0]["tokens"]) == 3, rows
     assert "| 200 | 1 |" in r.stdout
+
+
+def test_bench_packed_times_both_layouts_with_the_same_loss(runs):
+    """cp 2: the balanced layout taken on a packed row, its counted work max / mean below zigzag's, both timed."""
+    r, tmp_path = runs["bench_packed"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "packed.json").read_text())
+    assert row["layout"] == "balanced" and row["cp"] == 2, row
+    assert row["work_imbalance"]["auto"] <= 1.05 < row["work_imbalance"]["row"], row
+    assert abs(row["loss"]["auto"] - row["loss"]["row"]) <= 1e-5 * row["loss"]["row"], row
+    assert all(t > 0 for t in row["time_s"].values()) and "| 1024 tokens, long-tail |" in r.stdout, r.stdout
 
 
 def test_gpu_check_is_valid_bash_and_refuses_without_a_gpu():
