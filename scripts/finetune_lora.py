@@ -108,12 +108,18 @@ def parse_args(argv=None):
     return args
 
 
+def task_options(args, task: str, options: dict) -> bool:
+    """Whether `task` is the one run; options ({flag: value}, None when not given) belong to it and are refused
+    with another task."""
+    given = [flag for flag, value in options.items() if value is not None]
+    if args.task != task and given:
+        fail(f"{', '.join(given)}: options of --task {task} (the task is {args.task})")
+    return args.task == task
+
+
 def check_dpo_options(args) -> None:
     """--beta / --rpo-alpha belong to --task dpo (set to their defaults there); the dpo task refuses what it ignores."""
-    given = [flag for flag, value in (("--beta", args.beta), ("--rpo-alpha", args.rpo_alpha)) if value is not None]
-    if args.task != "dpo":
-        if given:
-            fail(f"{', '.join(given)}: options of --task dpo (the task is {args.task})")
+    if not task_options(args, "dpo", {"--beta": args.beta, "--rpo-alpha": args.rpo_alpha}):
         return
     args.beta = 0.5 if args.beta is None else args.beta
     args.rpo_alpha = 1.0 if args.rpo_alpha is None else args.rpo_alpha
@@ -129,11 +135,7 @@ def check_dpo_options(args) -> None:
 def check_grpo_options(args) -> None:
     """--sft-steps / --num-generations belong to --task grpo (set to their defaults there); the grpo task refuses what
     it ignores."""
-    given = [flag for flag, value in (("--sft-steps", args.sft_steps), ("--num-generations", args.num_generations))
-             if value is not None]
-    if args.task != "grpo":
-        if given:
-            fail(f"{', '.join(given)}: options of --task grpo (the task is {args.task})")
+    if not task_options(args, "grpo", {"--sft-steps": args.sft_steps, "--num-generations": args.num_generations}):
         return
     args.sft_steps = 150 if args.sft_steps is None else args.sft_steps
     args.num_generations = 4 if args.num_generations is None else args.num_generations

@@ -488,17 +488,25 @@ class ImageRows(torch.utils.data.Dataset):
 
 def vlm_run(per_device: int, cp_size=None, with_images: bool = True):
     """4 LoRA steps (adapters on the language model's attention only) of a tiny LLaVA, then evaluate: the history."""
+    from workers_vlm import tiny_vlm
+
+    return _multimodal_lora_run(tiny_vlm("llava"), ImageRows(16, 0, with_images), ImageRows(6, 1, with_images),
+                                per_device, cp_size)
+
+
+def _multimodal_lora_run(model, train, evaluation, per_device: int, cp_size):
+    """4 LoRA steps of HfcpTrainer (adapters on the language model's q / v projections only), then evaluate:
+    {"history", "eval_loss", "lora_only_in_language_model"}."""
     from peft import LoraConfig, get_peft_model
 
     from hfcp.integrations import HfcpTrainer
-    from workers_vlm import tiny_vlm
 
     _reset_accelerate()
-    model = get_peft_model(tiny_vlm("llava"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                         target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                             target_modules=r".*language_model.*\.(q_proj|v_proj)"))
     with tempfile.TemporaryDirectory() as out:
-        trainer = HfcpTrainer(model=model, args=_args(out, per_device), train_dataset=ImageRows(16, 0, with_images),
-                              eval_dataset=ImageRows(6, 1, with_images), cp_size=cp_size)
+        trainer = HfcpTrainer(model=model, args=_args(out, per_device), train_dataset=train, eval_dataset=evaluation,
+                              cp_size=cp_size)
         trainer.train()
         metrics = trainer.evaluate()
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
@@ -533,23 +541,9 @@ class ClipRows(torch.utils.data.Dataset):
 
 def audio_run(per_device: int, cp_size=None):
     """4 LoRA steps (adapters on the language model's attention only) of a tiny Qwen2-Audio, then evaluate."""
-    from peft import LoraConfig, get_peft_model
-
-    from hfcp.integrations import HfcpTrainer
     from hfcp.testing.tiny_audio import tiny_audio
 
-    _reset_accelerate()
-    model = get_peft_model(tiny_audio("qwen2_audio"), LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=r".*language_model.*\.(q_proj|v_proj)"))
-    with tempfile.TemporaryDirectory() as out:
-        trainer = HfcpTrainer(model=model, args=_args(out, per_device), train_dataset=ClipRows(16, 0),
-                              eval_dataset=ClipRows(6, 1), cp_size=cp_size)
-        trainer.train()
-        metrics = trainer.evaluate()
-    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-    return {"history": _history(trainer), "eval_loss": metrics["eval_loss"],
-            "lora_only_in_language_model": bool(trainable) and all("language_model" in n and "lora_" in n
-                                                                   for n in trainable)}
+    return _multimodal_lora_run(tiny_audio("qwen2_audio"), ClipRows(16, 0), ClipRows(6, 1), per_device, cp_size)
 
 
 def vlm_processor():

@@ -50,15 +50,22 @@ def generation_cache(state, module, kw: dict, shards: bool) -> ShardedKVCache | 
                          "it makes from the prompt; pass no cache, or an empty DynamicCache (not static, offloaded or "
                          "quantized)")
     parameters = forward_parameters(module)
-    if "logits_to_keep" not in parameters:
-        raise ValueError(f"{type(module).__name__}.forward takes no logits_to_keep: generate() would read the last "
-                         "position's logits from this rank's shard of the prompt; hfcp does not generate with it")
+    refuse_without_logits_to_keep(type(module).__name__, parameters)
     name = next((n for n in CACHE_NAMES if n in parameters), CACHE_NAMES[0])
     for n in names:
         kw.pop(n)
     cache = ShardedKVCache(state.mesh.cp_rank, state.mesh.cp_size, cache_windows(given, module))
     kw[name] = cache
     return cache
+
+
+def refuse_without_logits_to_keep(name: str, parameters) -> None:
+    """generate() reads the last position's logits: a forward without logits_to_keep would give each rank's own
+    shard's last position. Raises ValueError, on every rank alike, before generating."""
+    if "logits_to_keep" not in parameters:
+        raise ValueError(f"hfcp: {name}.forward takes no logits_to_keep, so generate() would read the last position's "
+                         "logits from each rank's shard of the prompt; hfcp does not generate with it: call "
+                         "hfcp.unpatch(model) to generate")
 
 
 def cache_windows(given, module) -> dict[int, int]:
@@ -159,10 +166,7 @@ def wrap_generate(model, group):
                 raise ValueError(f"hfcp: generate({name}=True) on a patched model: each rank holds its shard of the "
                                  f"prompt, so what generate() would return is a rank's shard; leave {name} off (a "
                                  "forward returns hidden states local, for hfcp.gather_sequence)")
-        if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
-            raise ValueError(f"hfcp: {type(model).__name__}.forward takes no logits_to_keep, so generate() would read "
-                             "the last position's logits from each rank's shard of the prompt; hfcp does not generate "
-                             "with it: call hfcp.unpatch(model) to generate")
+        refuse_without_logits_to_keep(type(model).__name__, inspect.signature(type(model).forward).parameters)
         criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [TokensAgree(group)])
         return original(*args, stopping_criteria=criteria, **kwargs)
 
