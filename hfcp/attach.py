@@ -17,7 +17,7 @@ from .families.resolve import Plan
 from .hooks import rope, vision, vlm
 from .hooks.causal_lm import LossHook, ShardSequenceHook
 from .hooks.heads import SequenceClassificationHook, classification_head_name
-from .hooks.vision_tower import VisionTowerSplitHook, splits_frames
+from .hooks.tower_split import TowerSplitHook, split_mode
 from .hooks.vlm import LanguageModelHook
 from .inference import generate
 from .loss.router import RouterStatsHook
@@ -55,9 +55,10 @@ def attach_vlm(state: CPState, inner, plan: Plan) -> None:
     state.undo.append(vlm.clear_layout_after(inner, state))
     if hasattr(inner, "generate"):
         _wrap_generate(state, inner)
-    if plan.patcher.vision_tower:  # each rank encodes its share of the images
-        tower = inner.get_submodule(plan.patcher.vision_tower)
-        add_hook(state, tower, VisionTowerSplitHook(state, splits_frames(getattr(tower, "config", None))))
+    for path in (plan.patcher.vision_tower, plan.patcher.audio_tower):  # each rank encodes its share of the
+        if path:  # images, frames or clips
+            tower = inner.get_submodule(path)
+            add_hook(state, tower, TowerSplitHook(state, split_mode(getattr(tower, "config", None)) or "items"))
     _attach_rope(state, plan.owner)  # the language model's rotary modules (the vision tower is not sharded)
 
 

@@ -1,10 +1,21 @@
 """Audio-language and omni models whose language model reads the merged token sequence (text embeddings with the
 audio features scattered in, an omni thinker's image and video features too): hfcp shards at the language model's
 input exactly as for vision-language models (hfcp/hooks/vlm.py); the language model is read from the model. The
-audio encoder runs whole on every rank (exact; its memory does not fall with cp), an omni thinker's vision tower
-too. Each type here is shown exact by the audio sweep (tests/sweep_audio.py, tests/test_audio_sweep.py) with a
+audio encoder's clips are split over the CP group where its type encodes each clip alone (PER_CLIP_ENCODERS;
+hfcp/hooks/tower_split.py); any other encoder runs whole on every rank (exact; its memory does not fall with cp), an
+omni thinker's vision tower too. Each type here is shown exact by the audio sweep (tests/sweep_audio.py, tests/test_audio.py) with a
 text-only batch and with three clips."""
 from hfcp.families.registry import Patcher, register_patcher
+from hfcp.hooks.tower_split import register_per_clip_encoder
+
+# encoders whose every layer works within one clip (its 30-second window, or its chunks): the clips along dim 0
+PER_CLIP_ENCODERS = ("qwen2_audio_encoder", "voxtral_encoder", "glmasr_encoder", "fun_asr_nano_encoder",
+                     "moss_transcribe_diarize_audio")
+for _encoder in PER_CLIP_ENCODERS:
+    register_per_clip_encoder(_encoder)
+# Qwen2.5-Omni's: every clip's frames concatenated in time, feature_lens per clip, attention within n_window chunks
+register_per_clip_encoder("qwen2_5_omni_audio_encoder", clips_in_time=True)
+# not split: Granite Speech's Conformer normalises with BatchNorm1d, whose training statistics are over all clips
 
 AUDIO_TYPES = (
     "qwen2_audio",           # Whisper-style encoder, average-pooled; its processor expands each clip's placeholders
@@ -19,6 +30,6 @@ AUDIO_TYPES = (
 
 for _type in AUDIO_TYPES:
     register_patcher(Patcher(model_type=_type, attention_classes=(), read_from_model=True,
-                             language_model="auto", vision_tower="auto"))
+                             language_model="auto", vision_tower="auto", audio_tower="auto"))
 # Qwen2.5-Omni's language model (its 3-D positions come from the thinker's rope index, split with the tokens)
 register_patcher(Patcher(model_type="qwen2_5_omni_text", attention_classes=(), read_from_model=True))

@@ -1,15 +1,18 @@
-"""A VLM training step under CP: per-rank peak memory and step time, the vision tower's part (its forward) reported
-separately, with the tower's work split over the CP group (hfcp's default) and with every rank encoding every image
-(as peers do), against one process.
+"""A VLM or audio-LM training step under CP: per-rank peak memory and step time, the encoder's part (its forward)
+reported separately, with the encoder's work split over the CP group (hfcp's default) and with every rank encoding
+every image or clip (as peers do), against one process.
 
     python scripts/bench_vlm.py                          # cp 1, 2, 4; 48 images of 64 x 64 (3072 image tokens)
     python scripts/bench_vlm.py --images 96 --cps 1 2
     python scripts/bench_vlm.py --video 512              # a LoRA step on a video of 512 frames of 32 x 32 (4096 tokens)
+    python scripts/bench_vlm.py --audio 48               # a LoRA step on 48 audio clips (3072 audio tokens)
 
 Images: a tiny-width LLaVA (SigLIP tower, Llama text model, random weights), forward + backward of every parameter,
 so that the vision tower is a large part of the step. --video: a Qwen2-VL of the same widths (its tower takes two
 raw frames per temporal patch and merges 2 x 2 patches: 16 tokens per temporal patch), LoRA (r 16) on the language
-model's projections, as in long-video fine-tuning; the tower is frozen, so its part is its forward. Each
+model's projections, as in long-video fine-tuning; the tower is frozen, so its part is its forward. --audio: a
+Qwen2-Audio of the same widths, LoRA on the attention of its encoder and language model (the encoder's activations
+are held for backward). Each
 measurement runs in its own processes (torchrun for cp > 1); --one-launch measures the split and the whole tower in
 the same torchrun, one after the other (a quicker check of the script: the second's memory growth is then measured in
 processes that already ran the first).
@@ -28,7 +31,37 @@ HERE = Path(__file__).resolve().parent
 
 
 def build(args):
-    return build_video(args) if args.video else build_images(args)
+    return build_audio(args) if args.audio else build_video(args) if args.video else build_images(args)
+
+
+def build_audio(args):
+    """A Qwen2-Audio (Whisper-style encoder, each clip 256 mel frames -> 64 audio tokens) with LoRA (r 16) on the
+    attention projections of the encoder and the language model; one row: per clip 8 text tokens and its tokens."""
+    import torch
+    import transformers as T
+    from peft import LoraConfig, get_peft_model
+
+    w = args.width
+    audio = dict(d_model=w, encoder_layers=args.layers, encoder_attention_heads=4, encoder_ffn_dim=4 * w,
+                 num_mel_bins=32, max_source_positions=128, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    text = dict(model_type="qwen2", vocab_size=512, hidden_size=w, intermediate_size=4 * w,
+                num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=1 << 16)
+    cfg = T.Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_id=500)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = T.Qwen2AudioForConditionalGeneration(cfg).train()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "out_proj"]))
+    per_clip = 64  # (256 frames -> 128 after the encoder's stride-2 convolution -> 64 after its pooling)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 400, (1, args.audio * (per_clip + 8)), generator=g)
+    for i in range(args.audio):
+        start = i * (per_clip + 8) + 8
+        ids[0, start:start + per_clip] = 500
+    return model, {"input_ids": ids, "labels": ids.masked_fill(ids == 500, -100),
+                   "input_features": torch.randn(args.audio, 32, 256, generator=g),
+                   "feature_attention_mask": torch.ones(args.audio, 256, dtype=torch.long)}
 
 
 def build_video(args):
@@ -71,9 +104,11 @@ def _mrope(head_dim: int) -> list[int]:
 
 
 def tower(model):
-    """The vision tower module (LLaVA's vision_tower, Qwen2-VL's visual), under a PEFT wrapper or not."""
+    """The encoder module (LLaVA's vision_tower, Qwen2-VL's visual, Qwen2-Audio's audio_tower), under a PEFT
+    wrapper or not."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(inner.model, "vision_tower", None) or inner.model.visual
+    return (getattr(inner.model, "vision_tower", None) or getattr(inner.model, "audio_tower", None)
+            or inner.model.visual)
 
 
 def build_images(args):
@@ -131,11 +166,11 @@ def measure_one(args, split: bool) -> dict | None:
 
     model, batch = build(args)
     if args.cp > 1:
-        if not split:  # every rank encodes every image, as peers do
+        if not split:  # every rank encodes every image or clip, as peers do
             import dataclasses
 
-            kind = "qwen2_vl" if args.video else "llava"
-            REGISTRY._patchers[kind] = dataclasses.replace(REGISTRY.get(kind), vision_tower="")
+            kind = "qwen2_audio" if args.audio else "qwen2_vl" if args.video else "llava"
+            REGISTRY._patchers[kind] = dataclasses.replace(REGISTRY.get(kind), vision_tower="", audio_tower="")
         hfcp.patch(model)
     vision = VisionPart(tower(model))
 
@@ -156,6 +191,7 @@ def measure_one(args, split: bool) -> dict | None:
         vision_times.append(vision.time_s)
         vision_mems.append(vision.mem_mb)
     result = {"cp": args.cp, "split": bool(split and args.cp > 1), "images": args.images, "frames": args.video,
+              "clips": args.audio,
               "tokens": batch["input_ids"].shape[1], "time_s": sorted(times)[len(times) // 2],
               "vision_s": sorted(vision_times)[len(times) // 2], "peak_mem_mb": max(mems),
               "vision_mem_mb": max(vision_mems), "loss": loss}
@@ -195,7 +231,8 @@ class VisionPart:
 def run(args, cp: int, split: bool | None) -> list[dict]:
     """The results of one launch: of the split tower or the whole one, or (split None) of both, split first."""
     own = [str(HERE / "bench_vlm.py"), "--one", "--cp", str(cp), "--images", str(args.images), "--width",
-           str(args.width), "--layers", str(args.layers), "--repeats", str(args.repeats), "--video", str(args.video)] + (
+           str(args.width), "--layers", str(args.layers), "--repeats", str(args.repeats), "--video", str(args.video),
+           "--audio", str(args.audio)] + (
         ["--split"] if split else []) + (["--both"] if split is None else [])
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"] + own
            if cp > 1 else [sys.executable] + own)
@@ -211,6 +248,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", type=int, default=48)
     ap.add_argument("--video", type=int, default=0, help="frames of one video (Qwen2-VL, LoRA) instead of images")
+    ap.add_argument("--audio", type=int, default=0,
+                    help="clips of a Qwen2-Audio (LoRA on the encoder and the language model) instead of images")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
@@ -234,10 +273,11 @@ def main():
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     base = next((r for r in rows if r["cp"] == 1), None)
-    what = f"a video of {args.video} frames" if args.video else f"{args.images} images"
+    what = (f"{args.audio} audio clips" if args.audio else f"a video of {args.video} frames" if args.video
+            else f"{args.images} images")
     print(f"\n{what}, {rows[0]['tokens'] if rows else '?'} tokens\n")
-    print("| cp | vision tower | step (s) | vision part (s) | peak memory per rank (MB) | x one process "
-          "| vision part's peak (MB) | loss |")
+    print("| cp | encoder | step (s) | encoder part (s) | peak memory per rank (MB) | x one process "
+          "| encoder part's peak (MB) | loss |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         where = "one process" if r["cp"] == 1 else ("split over the ranks" if r["split"] else "whole on every rank")

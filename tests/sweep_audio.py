@@ -90,3 +90,51 @@ def generate_after_clips(model_type: str) -> str:
     finally:
         hfcp.unpatch(model)
     return "same tokens" if torch.equal(got, want) else "different tokens"
+
+
+def encoder_shares(model_type: str) -> list[int]:
+    """The clips (indices into the batch's three) that this rank's audio encoder was given in a patched forward,
+    found by matching its input to each clip's frames."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    import hfcp
+    from hfcp.families.introspect import audio_config
+    from hfcp.hooks.vlm import module_with_config
+
+    model = tiny_audio(model_type)
+    data = audio_batch(model)
+    encoder = model.get_submodule(module_with_config(model, audio_config(model.config)))
+    seen = []
+
+    class Seen(ModelHook):  # chained after hfcp's split: what the encoder's forward itself gets
+        def pre_forward(self, module, *args, **kwargs):
+            seen.append(args[0] if args else kwargs["input_features"])
+            return args, kwargs
+
+    hfcp.patch(model, process_group=dist.group.WORLD)
+    add_hook_to_module(encoder, Seen(), append=True)
+    try:
+        model(**data)
+    finally:
+        hfcp.unpatch(model)
+    feats, = seen
+    clips = list(data["input_features"])  # each (mel, frames) or (frames, features)
+    pieces = feats.split(clips[0].shape[-1], -1) if feats.dim() == 2 else list(feats)  # (mel, frames of all clips)
+    return [next(i for i, clip in enumerate(clips) if torch.equal(clip, piece)) for piece in pieces]
+
+
+def batch_norm_encoder_refused() -> str:
+    """Granite Speech's Conformer (BatchNorm1d) registered as encoding each clip alone: what hfcp.patch raised."""
+    import hfcp
+    from hfcp.hooks import tower_split
+
+    model = tiny_audio("granite_speech")
+    tower_split.register_per_clip_encoder("granite_speech_encoder")
+    try:
+        hfcp.patch(model, process_group=dist.group.WORLD)
+    except hfcp.UnsupportedModelError as e:
+        return str(e)
+    finally:
+        tower_split._SPLIT_MODES.pop("granite_speech_encoder", None)
+        hfcp.unpatch(model)
+    return "nothing raised"

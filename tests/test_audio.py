@@ -40,9 +40,27 @@ def test_text_row_beside_clips_cp2_allgather(pool2, model_type):
         assert r["result"] == "exact", r
 
 
-def test_text_row_beside_clips_cp4(pool4):
-    for r in pool4.run(S.compare_mixed, "voxtral", "ring", timeout=300):
+@pytest.mark.parametrize("model_type", ["voxtral", "qwen2_5_omni_thinker"])
+def test_text_row_beside_clips_cp4(pool4, model_type):
+    """Two clips over four ranks: the ranks without a clip of their own encode a stand-in and keep none of it."""
+    for r in pool4.run(S.compare_mixed, model_type, "ring", timeout=300):
         assert r["result"] == "exact", r
+
+
+@pytest.mark.parametrize("model_type, shares", [
+    ("qwen2_audio", [[0, 1], [2, 0]]),  # clips along dim 0: ceil(3 / 2) each, the last share padded with clip 0
+    ("fun_asr_nano", [[0, 1], [2, 0]]),
+    ("qwen2_5_omni_thinker", [[0, 1], [2]]),  # clips concatenated in time: whole clips, as even as can be
+])
+def test_each_rank_encodes_its_share_of_the_clips(pool2, model_type, shares):
+    assert pool2.run(S.encoder_shares, model_type, timeout=300) == shares
+
+
+def test_encoder_with_batch_norm_is_not_split(pool2):
+    """Batch norm's training statistics are over every clip of the call: a record that splits such an encoder is
+    refused at patch time, on every rank."""
+    for message in pool2.run(S.batch_norm_encoder_refused, timeout=300):
+        assert "BatchNorm1d" in message and "model.encoder" in message and "without splitting" in message, message
 
 
 def test_legacy_placeholders_refused_on_every_rank(pool2):

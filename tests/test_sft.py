@@ -75,6 +75,20 @@ def test_sft_vision_dataset_with_trl_collator_cp2_equals_one_process(pool1, pool
         assert abs(got["eval_loss"] - ref["eval_loss"]) <= 2e-5 * ref["eval_loss"], (got, ref)
 
 
+def test_sft_audio_rows_cp2_equals_one_process(pool1, pool2):
+    """HfcpSFTTrainer on Qwen2-Audio rows (a clip per row at different places; TRL's SFT prepares no audio, so the
+    rows pass through with skip_prepare_dataset and a collator), LoRA on the language model: one process's history
+    and eval loss, each rank encoding its share of the clips."""
+    ref = pool1.run(W.audio_sft_run, 2)[0]
+    assert len(ref["history"]) == 4 and len({h["loss"] for h in ref["history"]}) > 1, ref  # it trains
+    for got in pool2.run(W.audio_sft_run, 2):
+        assert sum(got["clips_encoded"]) < sum(ref["clips_encoded"]), got
+        for g, r in zip(got["history"], ref["history"], strict=True):
+            for k in r:
+                assert abs(g[k] - r[k]) <= 1e-4 * max(1.0, abs(r[k])), (k, got, ref)
+        assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-5 * ref["eval_loss"], (got, ref)
+
+
 def test_sft_with_a_parallelism_config_cp2_equals_one_process(pool2, sft_reference):
     """SFTConfig(parallelism_config=ParallelismConfig(cp_size=2)): hfcp's CP (TRL would refuse packing with
     accelerate's torch CP, and hfcp hands accelerate no cp dimension)."""

@@ -546,6 +546,47 @@ def audio_run(per_device: int, cp_size=None):
     return _multimodal_lora_run(tiny_audio("qwen2_audio"), ClipRows(16, 0), ClipRows(6, 1), per_device, cp_size)
 
 
+def audio_sft_run(per_device: int, cp_size=None):
+    """4 steps of HfcpSFTTrainer on a tiny Qwen2-Audio, rows already made (TRL's SFT has no audio preparation, so
+    the dataset is passed through with skip_prepare_dataset and a collator that stacks the clips), LoRA on the
+    language model, then evaluate: the history, the eval loss and the clips this rank's audio encoder was given."""
+    from peft import LoraConfig
+    from trl import SFTConfig
+
+    from hfcp.integrations import HfcpSFTTrainer
+    from hfcp.testing.tiny_audio import tiny_audio
+
+    _reset_accelerate()
+    model, clips_encoded = tiny_audio("qwen2_audio"), []
+    model.model.audio_tower.conv1.register_forward_pre_hook(  # inside the split
+        lambda m, a: clips_encoded.append(a[0].shape[0]))
+
+    def rows(n, seed):  # a datasets.Dataset of ClipRows' rows (TRL takes no torch Dataset)
+        import datasets
+
+        return datasets.Dataset.from_list([{k: v.tolist() for k, v in r.items()} for r in ClipRows(n, seed).rows])
+
+    def stack(batch):  # (with the attention mask TRL's metrics read)
+        out = {k: torch.tensor([r[k] for r in batch], dtype=torch.float32 if k == "input_features" else torch.long)
+               for k in batch[0]}
+        return {**out, "attention_mask": torch.ones_like(out["input_ids"])}
+
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
+                         max_steps=4, learning_rate=3e-3, warmup_steps=1, logging_steps=1, report_to=[],
+                         save_strategy="no", seed=0, data_seed=0, bf16=False, use_cpu=True, disable_tqdm=True,
+                         max_length=None, remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True})
+        trainer = HfcpSFTTrainer(model=model, args=args, train_dataset=rows(16, 0), eval_dataset=rows(6, 1),
+                                 data_collator=stack, processing_class=word_tokenizer(),
+                                 peft_config=LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                        target_modules=r".*language_model.*\.(q_proj|v_proj)"),
+                                 cp_size=cp_size)
+        trainer.train()
+        metrics = trainer.evaluate()
+    return {"history": [{k: h[k] for k in ("loss", "grad_norm") if k in h} for h in trainer.state.log_history
+                        if "loss" in h], "eval_loss": metrics["eval_loss"], "clips_encoded": clips_encoded}
+
+
 def vlm_processor():
     """A LLaVA processor for workers_vlm's tiny LLaVA, built offline: word_tokenizer's words with "<image>" (id 90),
     and a SigLIP image processor to 16 x 16 (each image becomes 16 placeholder tokens)."""

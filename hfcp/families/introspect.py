@@ -34,6 +34,14 @@ def _source(cls) -> str | None:
         return None
 
 
+def audio_config(config):
+    """The config of a model's audio encoder (audio_config, or encoder_config beside a text_config), or None."""
+    audio = getattr(config, "audio_config", None)
+    if audio is None and getattr(config, "text_config", None) is not None:
+        audio = getattr(config, "encoder_config", None)
+    return audio
+
+
 def uses_attention_interface(module: torch.nn.Module) -> bool:
     """Whether the module's forward gets its attention function from transformers' AttentionInterface."""
     src = _source(type(module))

@@ -40,10 +40,13 @@ class Patcher:
             shards; the outer model encodes images, merges them and computes positions whole on every rank
             (hfcp/hooks/vlm.py); "auto": the outermost module whose config is the text config. Empty: not a VLM.
         vision_tower: a VLM whose tower encodes each image on its own: its module path in the outer model
-            ("model.vision_tower"); hfcp splits the images over the CP group (hfcp/hooks/vision_tower.py). Empty: every
+            ("model.vision_tower"); hfcp splits the images over the CP group (hfcp/hooks/tower_split.py). Empty: every
             rank encodes every image. "auto": the outermost module whose config is the vision config, split when
-            its vision model_type is one registered as encoding each image alone (hfcp.hooks.vision_tower
+            its vision model_type is one registered as encoding each image alone (hfcp.hooks.tower_split
             .register_per_image_tower), else run whole on every rank.
+        audio_tower: the same for an audio-language or omni model's audio encoder and its clips ("auto": the
+            outermost module whose config is the audio config, split when its model_type is registered with
+            hfcp.hooks.tower_split.register_per_clip_encoder).
         positions_from_mask: without position_ids the family derives them from the attention mask
             (cumsum(mask) * mask - 1, as OPT); hfcp computes them so over the whole mask before splitting.
         token_side_inputs: per-token side inputs of a VLM's language model, as (mask, rows) argument names: `mask`
@@ -79,6 +82,7 @@ class Patcher:
     skip_model_checks: bool = False
     language_model: str = ""
     vision_tower: str = ""
+    audio_tower: str = ""
     token_side_inputs: tuple[tuple[str, str], ...] = ()
     mixers: tuple[tuple[str, Callable], ...] = ()
     token_wise_classes: tuple[str, ...] = ()

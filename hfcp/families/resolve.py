@@ -9,18 +9,20 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedModel
 from transformers.models.auto import modeling_auto
 
 from ..attention import build_usp_groups, check_heads, check_ulysses_size
 from .forward_source import logit_transform, router_aux_loss
-from .introspect import interface_attention_classes, not_through_interface, other_mixers, token_convolution
+from .introspect import (audio_config, interface_attention_classes, not_through_interface, other_mixers,
+                         token_convolution)
 from ..loss.linear_ce import LogitTransform
 from .registry import REGISTRY, Patcher, UnsupportedModelError
 from ..distributed.tensor_parallel import is_sharded, tensor_parallel_ranks
 from ..distributed.mesh import tp_ranks_of_device_mesh, cp_group_of_device_mesh
 from ..hooks.heads import classification_head_name
-from ..hooks.vision_tower import splits_tower
+from ..hooks.tower_split import splits_tower
 from ..hooks.vlm import find_language_model, module_with_config
 
 log = logging.getLogger("hfcp")
@@ -61,6 +63,10 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
         vision = getattr(inner.config, "vision_config", None)  # encode each image alone (else it runs whole)
         patcher = dataclasses.replace(patcher, vision_tower=(module_with_config(inner, vision) or "")
                                       if splits_tower(vision) else "")
+    if patcher.audio_tower == "auto":  # the same for the audio encoder and its clips
+        audio = audio_config(inner.config)
+        patcher = dataclasses.replace(patcher, audio_tower=(module_with_config(inner, audio) or "")
+                                      if splits_tower(audio) else "")
     if patcher.language_model:  # a VLM: its language model mixes the merged sequence (the vision tower runs whole)
         target = find_language_model(inner, patcher.language_model)
         if target is None:
@@ -68,9 +74,9 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
                                         f"names the language model {patcher.language_model!r}, but the model has no "
                                         "such module whose config is its text config")
         patcher = with_text_record(patcher, target)
-        if patcher.vision_tower and not _has_module(inner, patcher.vision_tower):
-            raise UnsupportedModelError(f"{type(inner).__name__}: its record splits the vision tower at "
-                                        f"{patcher.vision_tower!r}, which the model does not have")
+        for kind, path in (("vision tower", patcher.vision_tower), ("audio encoder", patcher.audio_tower)):
+            if path:
+                _check_split_tower(inner, kind, path)
     if patcher.read_from_model:
         _warn_if_verified_elsewhere(patcher)
         classes = interface_attention_classes(target)
@@ -101,6 +107,21 @@ def _has_module(model, path: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def _check_split_tower(inner, kind: str, path: str) -> None:
+    """A tower hfcp splits by items must be one the model has, and none of its layers may mix items (batch norm's
+    training statistics are over every item of the call: split, each rank would normalise by its own share)."""
+    if not _has_module(inner, path):
+        raise UnsupportedModelError(f"{type(inner).__name__}: its record splits the {kind} at {path!r}, which the "
+                                    "model does not have")
+    norms = sorted({type(m).__name__ for m in inner.get_submodule(path).modules()
+                    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)})
+    if norms:
+        raise UnsupportedModelError(f"{type(inner).__name__}: its {kind} at {path!r} is registered as encoding each "
+                                    f"item alone, but it normalises with {norms} over the batch of items: split over "
+                                    "the CP group, each rank would normalise by its own share. Register it without "
+                                    "splitting (it then runs whole on every rank)")
 
 
 def with_text_record(patcher: Patcher, language_model) -> Patcher:

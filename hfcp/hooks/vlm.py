@@ -9,7 +9,7 @@ dim, and the mask (a mask the outer model built becomes hfcp's predicate or is r
 
 Gradients: each rank back-propagates its slice of the merged sequence into the vision tower, so the mean over the
 CP group of a vision parameter's gradient is the single-device one, as for every other parameter. Where the record
-names the tower, its work is split over the group too (hfcp/hooks/vision_tower.py).
+names the tower, its work is split over the group too (hfcp/hooks/tower_split.py).
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import warnings
 
 import torch
 
+from ..families.introspect import audio_config
 from .tiny_vlm import VISION, build_perturbed, fit_text_config
 
 AUDIO, AUDIO_START, AUDIO_END, VISION_START = 90, 91, 92, 93
@@ -66,14 +67,6 @@ def tiny_audio(model_type: str, seed: int = 0):
         if vision is not None:  # an omni thinker's rope index reads it (a checkpoint's thinker config carries it)
             cfg.vision_start_token_id = VISION_START
         return build_perturbed(getattr(transformers, audio_classes(model_type)), cfg, seed)
-
-
-def audio_config(config):
-    """The config of a model's audio encoder (audio_config, or encoder_config beside a text_config), or None."""
-    audio = getattr(config, "audio_config", None)
-    if audio is None and getattr(config, "text_config", None) is not None:
-        audio = getattr(config, "encoder_config", None)
-    return audio
 
 
 def audio_types() -> list[str]:

@@ -12,61 +12,91 @@ first image), and the outputs are all-gathered along dim 0 and cut back to n, so
 one device does. The gather's backward sums each feature's gradient over the group and returns it to the rank that
 encoded it: rank r's vision gradient is cp times its images' share (the loss convention), so the mean over the
 group is the single-device gradient. Activations of the tower for backward are held for a rank's own images only.
+
+Audio encoders (docs/how-to/audio.md) are split the same way, by clips: those called with clips along dim 0
+(Whisper-style encoders, each 30-second window attended alone) take the per-image path; Qwen2.5-Omni's, called with
+every clip's frames concatenated along time and a `feature_lens` entry per clip, gives each rank whole clips (as
+equal a count as can be; a rank left without one encodes clip 0 and keeps none of it) and gathers the output rows
+in clip order, each rank's row count exchanged first.
 """
 from __future__ import annotations
 
 import torch
 from accelerate.hooks import ModelHook
 
-from ..distributed.collectives import all_gather
+from ..distributed.collectives import all_gather, all_gather_no_grad
 
-# vision configs' model_types whose towers encode each image on its own (filled by patches/: model knowledge); a
-# record with vision_tower="auto" splits only these, and runs any other tower whole on every rank
-_PER_IMAGE_TOWERS: set[str] = set()
-_PER_FRAME_TOWERS: set[str] = set()  # of those, patch-sequence towers that encode each temporal frame alone
+# encoder configs' model_types whose towers encode each image / clip on its own (filled by patches/: model
+# knowledge), with how their inputs hold the items: "items" along dim 0 (or Qwen-VL grids), "frames" (Qwen-VL
+# grids split into temporal frames), "time" (audio clips concatenated along the last dim, lengths in feature_lens).
+# A record with vision_tower / audio_tower "auto" splits only these, and runs any other tower whole on every rank
+_SPLIT_MODES: dict[str, str] = {}
 
 
 def register_per_image_tower(model_type: str, frames_alone: bool = False) -> None:
     """Declare that vision towers of config model_type `model_type` encode each image (or Qwen-VL grid) alone, so
     that hfcp may split their images over the CP group; frames_alone: a patch-sequence tower whose output for a
     grid (t, h, w) is that of its t frames (1, h, w) encoded one by one, so that a video's frames are split too."""
-    _PER_IMAGE_TOWERS.add(model_type)
-    if frames_alone:
-        _PER_FRAME_TOWERS.add(model_type)
+    _SPLIT_MODES[model_type] = "frames" if frames_alone else "items"
 
 
-def splits_tower(vision_config) -> bool:
-    """Whether a tower of this vision config is one hfcp splits (register_per_image_tower)."""
-    return getattr(vision_config, "model_type", None) in _PER_IMAGE_TOWERS
+def register_per_clip_encoder(model_type: str, clips_in_time: bool = False) -> None:
+    """Declare that audio encoders of config model_type `model_type` encode each clip alone (attention, convolution
+    and normalisation within a clip: no batch statistics), so that hfcp may split their clips over the CP group;
+    clips_in_time: the encoder takes every clip's frames concatenated along its input's last dim with one
+    `feature_lens` entry per clip and returns rows per clip in clip order (Qwen2.5-Omni's); else clips along dim 0."""
+    _SPLIT_MODES[model_type] = "time" if clips_in_time else "items"
+
+
+def split_mode(config) -> str | None:
+    """How hfcp splits a tower of this encoder config ("items", "frames", "time"), or None: it runs whole."""
+    return _SPLIT_MODES.get(getattr(config, "model_type", None))
+
+
+def splits_tower(config) -> bool:
+    """Whether a tower of this vision or audio config is one hfcp splits (register_per_image_tower /
+    register_per_clip_encoder)."""
+    return split_mode(config) is not None
 
 
 def splits_frames(vision_config) -> bool:
     """Whether hfcp splits this tower's videos by frames (register_per_image_tower(..., frames_alone=True))."""
-    return getattr(vision_config, "model_type", None) in _PER_FRAME_TOWERS
+    return split_mode(vision_config) == "frames"
+
+
+def balanced_shares(n: int, cp: int) -> list[range]:
+    """Items [0, n) in cp contiguous ranges whose sizes differ by at most one (empty ranges when n < cp)."""
+    k, extra = divmod(n, cp)
+    starts = [r * k + min(r, extra) for r in range(cp + 1)]
+    return [range(starts[r], starts[r + 1]) for r in range(cp)]
 
 
 def _is_per_image(v, n: int) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n
 
 
-class VisionTowerSplitHook(ModelHook):
+class TowerSplitHook(ModelHook):
     """pre_forward: this rank's share of the images; post_forward: every image's outputs, gathered."""
 
-    def __init__(self, state, frames_alone: bool = False):
-        self.state, self.frames_alone = state, frames_alone
+    def __init__(self, state, mode: str = "items"):
+        self.state, self.mode, self.frames_alone = state, mode, mode == "frames"
         self._n = self._k = None
         self._grid = None  # a patch-sequence tower's call: (per-image patches, this rank's images, every rank's)
+        self._keeps = None  # clips in time: whether this rank keeps its output rows (False: a stand-in clip)
 
     def pre_forward(self, module, *args, **kwargs):
+        self._keeps = None
+        if self.mode == "time":
+            return self._split_time(module, args, kwargs)
         grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
         if isinstance(grid, torch.Tensor):
             return self._split_patches(module, args, kwargs, grid)
         self._grid = None
         cp, rank = self.state.mesh.cp_size, self.state.mesh.cp_rank
-        images = args[0] if args else kwargs.get("pixel_values")
+        images = args[0] if args else kwargs.get("pixel_values", kwargs.get("input_features"))
         if not isinstance(images, torch.Tensor) or images.dim() < 2:
-            raise ValueError(f"{type(module).__name__}: hfcp splits a vision tower's images along dim 0 of its "
-                             f"first input (pixel_values); got {type(images).__name__}")
+            raise ValueError(f"{type(module).__name__}: hfcp splits a tower's images or clips along dim 0 of its "
+                             f"first input (pixel_values, input_features); got {type(images).__name__}")
         n = images.shape[0]
         k = -(-n // cp)
         take = torch.arange(rank * k, (rank + 1) * k, device=images.device)
@@ -126,11 +156,51 @@ class VisionTowerSplitHook(ModelHook):
                 at += count
         return torch.cat(pieces)
 
+    def _split_time(self, module, args, kwargs):
+        """Qwen2.5-Omni: (mel, frames) of every clip concatenated, feature_lens (n,); each rank takes whole clips."""
+        cp, rank = self.state.mesh.cp_size, self.state.mesh.cp_rank
+        feats = args[0] if args else kwargs.get("input_features")
+        lens = kwargs.get("feature_lens")
+        if not isinstance(lens, torch.Tensor) or not isinstance(feats, torch.Tensor) or lens.dim() != 1 \
+                or int(lens.sum()) != feats.shape[-1]:
+            raise ValueError(f"{type(module).__name__}: hfcp splits this encoder's clips by feature_lens, one length "
+                             f"per clip summing to the frames of input_features; got feature_lens "
+                             f"{getattr(lens, 'tolist', lambda: lens)()} for input_features of shape "
+                             f"{tuple(getattr(feats, 'shape', ()))}")
+        n = lens.shape[0]
+        mine = balanced_shares(n, cp)[rank]
+        self._keeps = len(mine) > 0
+        take = list(mine) if self._keeps else [0]  # a rank without a clip encodes clip 0 and keeps none of it
+        starts = [0, *torch.cumsum(lens, 0).tolist()]
+        cols = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in take]).to(feats.device)
+        idx = torch.tensor(take, device=lens.device)
+
+        def share(v):
+            return v.index_select(0, idx.to(v.device)) if _is_per_image(v, n) else v
+
+        local = feats.index_select(feats.dim() - 1, cols)
+        kwargs = {name: share(v) for name, v in kwargs.items()}
+        if args:
+            return (local, *(share(a) for a in args[1:])), kwargs
+        return (), {**kwargs, "input_features": local}
+
+    def _gather_rows(self, t):
+        """Rows of this rank's clips -> rows of every clip in clip order (each rank's count exchanged first)."""
+        group = self.state.mesh.cp_group
+        sizes = all_gather_no_grad(torch.tensor([[t.shape[0], t.shape[0] if self._keeps else 0]], device=t.device),
+                                   group, 0).tolist()  # (cp, 2): rows returned, rows kept
+        longest = max(s for s, _ in sizes)
+        padded = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, longest - t.shape[0]))
+        every = all_gather(padded, group, 0)  # (cp * longest, ...)
+        return torch.cat([every[r * longest:r * longest + kept] for r, (_, kept) in enumerate(sizes)])
+
     def post_forward(self, module, output):
         n, k = self._n, self._k
         group = self.state.mesh.cp_group
 
         def gather(t):
+            if self._keeps is not None:
+                return self._gather_rows(t) if isinstance(t, torch.Tensor) and t.dim() > 0 else t
             if self._grid is not None:
                 return self._gather_patches(module, t) if isinstance(t, torch.Tensor) else t
             if not isinstance(t, torch.Tensor):
