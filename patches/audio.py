@@ -2,11 +2,11 @@
 audio features scattered in, an omni thinker's image and video features too): hfcp shards at the language model's
 input exactly as for vision-language models (hfcp/hooks/vlm.py); the language model is read from the model. The
 audio encoder's clips are split over the CP group where its type encodes each clip alone (PER_CLIP_ENCODERS;
-hfcp/hooks/tower_split.py); any other encoder runs whole on every rank (exact; its memory does not fall with cp), an
-omni thinker's vision tower too. Each type here is shown exact by the audio sweep (tests/sweep_audio.py, tests/test_audio.py) with a
+hfcp/hooks/tower_split.py); any other encoder runs whole on every rank (exact; its memory does not fall with cp).
+Qwen2.5-Omni's vision tower is split by frames, as Qwen2.5-VL's. Each type here is shown exact by the audio sweep (tests/sweep_audio.py, tests/test_audio.py) with a
 text-only batch and with three clips."""
 from hfcp.families.registry import Patcher, register_patcher
-from hfcp.hooks.tower_split import register_per_clip_encoder
+from hfcp.hooks.tower_split import register_per_clip_encoder, register_per_image_tower
 
 # encoders whose every layer works within one clip (its 30-second window, or its chunks): the clips along dim 0
 PER_CLIP_ENCODERS = ("qwen2_audio_encoder", "voxtral_encoder", "glmasr_encoder", "fun_asr_nano_encoder",
@@ -16,6 +16,8 @@ for _encoder in PER_CLIP_ENCODERS:
 # Qwen2.5-Omni's: every clip's frames concatenated in time, feature_lens per clip, attention within n_window chunks
 register_per_clip_encoder("qwen2_5_omni_audio_encoder", clips_in_time=True)
 # not split: Granite Speech's Conformer normalises with BatchNorm1d, whose training statistics are over all clips
+# Qwen2.5-Omni's vision tower is Qwen2.5-VL's (attention, windows and positions within each temporal frame)
+register_per_image_tower("qwen2_5_omni_vision_encoder", frames_alone=True)
 
 AUDIO_TYPES = (
     "qwen2_audio",           # Whisper-style encoder, average-pooled; its processor expands each clip's placeholders

@@ -4,7 +4,8 @@ tiny random config (text and audio parts shrunk, placeholder ids inside the tiny
 against the unpatched model, loss and every gradient, with a text-only batch and with three clips (one in row 0,
 two in row 1, the second across the zigzag cut). The audio-token count of a clip is read from the model. Types
 without a record are tried with the record patches/audio.py gives them (language model read from the model, the
-audio encoder whole on every rank). Run on every rank of a 2-process pool."""
+audio encoder's clips split over the ranks where its type is registered as encoding each clip alone, else whole on
+every rank). Run on every rank of a 2-process pool."""
 from __future__ import annotations
 
 import copy
@@ -46,6 +47,18 @@ def compare_mixed(model_type: str, strategy: str) -> dict:
 
     built = tiny_audio(model_type)
     return _compare(lambda: copy.deepcopy(built), mixed_audio_batch, strategy)
+
+
+def compare_omni(strategy: str) -> dict:
+    """Qwen2.5-Omni's thinker with images and clips in the same rows (omni_batch): _compare's result, and the patch
+    rows the vision tower embedded in each call (the batch's own, the unpatched forward's, the patched one's)."""
+    from hfcp.testing.tiny_audio import omni_batch
+
+    built = tiny_audio("qwen2_5_omni_thinker")
+    rows = []  # patch rows given to the tower's patch embedding (inside hfcp's split), call by call
+    built.model.visual.patch_embed.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    result = _compare(lambda: copy.deepcopy(built), omni_batch, strategy)
+    return {**result, "patch_rows": rows}
 
 
 def legacy_placeholders_refused() -> str:

@@ -63,6 +63,14 @@ def test_encoder_with_batch_norm_is_not_split(pool2):
         assert "BatchNorm1d" in message and "model.encoder" in message and "without splitting" in message, message
 
 
+def test_images_and_clips_in_one_row_cp2(pool2):
+    """Qwen2.5-Omni's thinker: an image and clips in each row (time-aligned 3-D RoPE over both), the vision tower's
+    images and the audio encoder's clips split over the ranks."""
+    for r in pool2.run(S.compare_omni, "ring", timeout=300):
+        assert r["result"] == "exact", r
+        assert r["patch_rows"][-2:] == [32, 16], r  # two images of 16 patch rows: one per rank when patched
+
+
 def test_legacy_placeholders_refused_on_every_rank(pool2):
     """One placeholder per clip (expanded inside the model) changes the sequence's length after hfcp split it."""
     for message in pool2.run(S.legacy_placeholders_refused, timeout=300):

@@ -27,6 +27,7 @@ RUNS = {
     "launched": lambda tmp: [*LAUNCH, *in_one_process({n: cmd(tmp) for n, cmd in LAUNCHED.items()}, tmp, "launched")],
     "vlm_images": lambda tmp: [*BENCH_VLM, "--images", "4", "--cps", "1"],
     "vlm_video": lambda tmp: [*BENCH_VLM, "--video", "8", "--cps", "2", "--one-launch"],
+    "vlm_audio": lambda tmp: [*BENCH_VLM, "--audio", "3", "--cps", "2", "--one-launch"],
     "bench_generate": lambda tmp: [sys.executable, "scripts/bench_generate.py", "--lengths", "200", "--cps", "1",
                                    "--new-tokens", "3", "--width", "64", "--layers", "1", "--json",
                                    str(tmp / "rows.json")],
@@ -119,6 +120,15 @@ def test_bench_vlm_images_run_in_one_process(runs):
 def test_bench_vlm_video_lora_step_keeps_the_loss(runs):
     towers, losses, out = _bench_vlm_rows(runs["vlm_video"][0])
     assert towers == ["split over the ranks", "whole on every rank"] and "a video of 8 frames" in out, out
+    assert abs(losses[0] - losses[1]) <= 1e-5 * losses[0], losses
+
+
+def test_bench_vlm_audio_lora_step_keeps_the_loss(runs):
+    """--audio: the encoder's clips split over the ranks, then whole on every rank; the same loss, and the encoder's
+    part of the peak memory lower when split."""
+    r = runs["vlm_audio"][0]
+    towers, losses, out = _bench_vlm_rows(r)
+    assert towers == ["split over the ranks", "whole on every rank"] and "3 audio clips" in out, out
     assert abs(losses[0] - losses[1]) <= 1e-5 * losses[0], losses
 
 

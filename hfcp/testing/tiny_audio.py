@@ -13,7 +13,7 @@ import torch
 from ..families.introspect import audio_config
 from .tiny_vlm import VISION, build_perturbed, fit_text_config
 
-AUDIO, AUDIO_START, AUDIO_END, VISION_START = 90, 91, 92, 93
+AUDIO, AUDIO_START, AUDIO_END, VISION_START, IMAGE, VIDEO = 90, 91, 92, 93, 94, 95
 TOKEN_IDS = {"audio_token_id": AUDIO, "audio_token_index": AUDIO, "audio_start_token_id": AUDIO_START,
              "audio_bos_token_id": AUDIO_START, "audio_end_token_id": AUDIO_END, "audio_eos_token_id": AUDIO_END}
 # the audio encoder's sizes, under the names the encoders' configs use (only the fields a config has are set)
@@ -66,6 +66,9 @@ def tiny_audio(model_type: str, seed: int = 0):
         fit_text_config(cfg.get_text_config())
         if vision is not None:  # an omni thinker's rope index reads it (a checkpoint's thinker config carries it)
             cfg.vision_start_token_id = VISION_START
+            for k, v in (("image_token_id", IMAGE), ("video_token_id", VIDEO)):  # in the tiny vocabulary
+                if hasattr(cfg, k):
+                    setattr(cfg, k, v)
         return build_perturbed(getattr(transformers, audio_classes(model_type)), cfg, seed)
 
 
@@ -180,6 +183,36 @@ def audio_batch(model, length: int = 48) -> dict:
     out["labels"] = ids.masked_fill(ids == AUDIO, -100)
     out["labels"][:, :3] = -100
     return {**out, **inputs}
+
+
+def omni_batch(model, length: int = 48) -> dict:
+    """audio_batch with an image too in each row (an omni model: Qwen-VL patch rows and grids, each image after its
+    vision start token): row 0's after its clip, row 1's between its two clips; the rows grow to fit.
+
+    Raises:
+        ValueError: the model takes no image_grid_thw images.
+    """
+    from .tiny_vlm import _pixels
+
+    if not _accepts(model, "image_grid_thw"):
+        raise ValueError(f"{model.config.model_type} takes no Qwen-VL images")
+    pixels, rows = _pixels(model)
+    out = audio_batch(model, length)
+    clips = (out["input_ids"] == AUDIO).sum(1).tolist()  # (1 clip in row 0, 2 in row 1)
+    extra = max(rows) + 4
+    for k in ("input_ids", "labels", "attention_mask"):  # the image's room at the end of each row, then moved in
+        out[k] = torch.cat([out[k], out[k][:, -extra:]], 1)
+    ids = out["input_ids"]
+    L = ids.shape[1]
+    for row, (at, n) in enumerate(zip((L - extra + 1, 4 + clips[1] // 2 + 2), rows)):
+        if row == 1:  # between the clips: the text after the first clip moves right by the image's tokens
+            ids[row, at + n + 1:] = ids[row, at:L - n - 1].clone()
+        ids[row, at - 1], ids[row, at:at + n] = VISION_START, IMAGE
+    out["labels"] = ids.masked_fill((ids == AUDIO) | (ids == IMAGE), -100)
+    out["labels"][:, :3] = -100
+    if (ids == IMAGE).sum() != sum(rows) or (ids == AUDIO).sum() != sum(clips):
+        raise ValueError(f"images of {rows} and clips of {clips} tokens overlap in rows of {L}")
+    return {**out, **pixels}
 
 
 def mixed_audio_batch(model, length: int = 48) -> dict:
