@@ -61,6 +61,26 @@ def compare_omni(strategy: str) -> dict:
     return {**result, "patch_rows": rows}
 
 
+def placeholder_mismatch_raised(model_type: str) -> str:
+    """A batch with one audio placeholder too few for its clips' features, patched: what the forward raised (the
+    model's own check, after hfcp's encoder split exchanged the features on every rank)."""
+    import hfcp
+    from hfcp.testing.tiny_audio import AUDIO
+
+    model = tiny_audio(model_type)
+    data = audio_batch(model)
+    first = int((data["input_ids"][0] == AUDIO).nonzero()[0])
+    data["input_ids"][0, first] = 5
+    hfcp.patch(model, process_group=dist.group.WORLD)
+    try:
+        model(**data)
+    except ValueError as e:
+        return str(e)
+    finally:
+        hfcp.unpatch(model)
+    return "nothing raised"
+
+
 def legacy_placeholders_refused() -> str:
     """Qwen2-Audio's legacy form (one placeholder per clip, expanded inside the model): what the patched forward
     raised (the unpatched one runs)."""

@@ -71,6 +71,14 @@ def test_images_and_clips_in_one_row_cp2(pool2):
         assert r["patch_rows"][-2:] == [32, 16], r  # two images of 16 patch rows: one per rank when patched
 
 
+@pytest.mark.parametrize("model_type", ["voxtral", "qwen2_audio"])
+def test_placeholder_mismatch_raises_the_models_error_on_every_rank(pool2, model_type):
+    """One placeholder too few for the clips' features: the model's own error, on every rank, after the encoder's
+    split exchanged the features (Qwen2.5-Omni's thinker raises none unpatched: it scatters the first features)."""
+    messages = pool2.run(S.placeholder_mismatch_raised, model_type, timeout=300)
+    assert messages[0] == messages[1] and "Audio features and audio tokens do not match" in messages[0], messages
+
+
 def test_legacy_placeholders_refused_on_every_rank(pool2):
     """One placeholder per clip (expanded inside the model) changes the sequence's length after hfcp split it."""
     for message in pool2.run(S.legacy_placeholders_refused, timeout=300):
