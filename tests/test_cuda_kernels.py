@@ -166,6 +166,23 @@ def test_cuda_ops_match_the_installed_torch(monkeypatch):
         assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
     with pytest.raises(AssertionError, match="causal only square"):
         cuda_kernels.flash_forward(q, k, k, None, True, 0.25)
+    q20 = torch.empty(2, 4, 40, 20, device="meta", dtype=BF16)
+    k20 = torch.empty(2, 2, 24, 20, device="meta", dtype=BF16)
+    out, lse = cuda_kernels.masked_forward(q20, k20, k20, mask, False, 0.25)  # head dim 20: padded to 24 inside
+    assert out.shape == q20.shape and lse.shape == (2, 4, 40)
+    assert [g.shape for g in cuda_kernels.masked_backward(q20, q20, k20, k20, out, lse, mask, False, 0.25)] == \
+        [q20.shape, k20.shape, k20.shape]
+
+
+def test_views_reach_the_kernels_aligned():
+    """Views that start or step off a 16-byte boundary are copied, head dims padded with zeros, aligned views kept."""
+    x = torch.randn(1, 40, 4, 16).transpose(1, 2)  # (B, H, L, D) view of (B, L, H, D) memory, as transformers hands it
+    assert cuda_kernels.aligned(x[:, :, 8:], 16).data_ptr() == x[:, :, 8:].data_ptr()  # a tile's slice: no copy
+    odd = torch.randn(3 * 40 * 16 + 4)[4:].view(1, 3, 40, 16)  # starts 4 elements into its storage
+    fixed = cuda_kernels.aligned(odd, 16)
+    assert fixed.storage_offset() % 8 == 0 and torch.equal(fixed, odd)
+    padded = cuda_kernels.aligned(torch.ones(1, 2, 5, 20), 24)
+    assert padded.shape == (1, 2, 5, 24) and padded[..., 20:].abs().sum() == 0 and padded[..., :20].eq(1).all()
 
 
 def test_flash_head_dims():

@@ -31,7 +31,7 @@ def test_flash_kernel_passes_its_self_check_and_takes_unmasked_tiles(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [dict(causal=True, packed=True, window=9), dict(causal=False, padded=True),
-                                  dict(causal=True)])
+                                  dict(causal=True), dict(causal=True, packed=True, D=20)])  # D=20: padded to 24
 def test_cuda_tiles_match_dense(case, dtype):
     """Block planner + CUDA kernels (bf16: flash for unmasked tiles, memory-efficient for masked ones; fp32: the
     memory-efficient kernel), forward and backward, against fp32 dense attention (one GPU)."""

@@ -40,9 +40,22 @@ def flash_head_dim_ok(device, head_dim: int) -> bool:
     return head_dim <= 192 or torch.cuda.get_device_capability(device) in ((8, 0), (9, 0))
 
 
+def aligned(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`t` (.., D) with its last dim zero-padded to `head_dim`, and its storage offset and strides multiples of 8
+    elements (16 bytes in fp16 / bf16): the aten ops check strides but not where a view starts, and the
+    memory-efficient kernel reads misaligned views wrongly (pytorch#183484, guarded in SDPA's dispatcher only).
+    A copy only when needed."""
+    if t.shape[-1] != head_dim:
+        return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
+    if t.stride(-1) != 1 or t.storage_offset() % 8 or any(s % 8 for s in t.stride()[:-1]):
+        return t.clone(memory_format=torch.contiguous_format)  # (contiguous() keeps a contiguous view's offset)
+    return t
+
+
 def flash_forward(q, k, v, mask, is_causal: bool, scale: float):
     """(out (B, H, Lq, D), lse (B, H, Lq) float32) of an unmasked tile; k/v (B, Hkv, Lk, D) as they are (GQA)."""
     assert mask is None and (not is_causal or q.shape[2] == k.shape[2]), "flash tiles: no mask, causal only square"
+    q, k, v = (aligned(t, q.shape[-1]) for t in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
     return out, lse
 
@@ -52,8 +65,10 @@ def flash_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float)
     assert mask is None, "flash tiles take no mask"
     rng = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout 0: never read (flash_api.cpp mha_bwd)
     unused = torch.empty((), dtype=torch.uint64, device=q.device)
+    d = q.shape[-1]
+    dout, q, k, v, out = (aligned(t.to(q.dtype), d) for t in (dout, q, k, v, out))
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float().contiguous(), None, None, q.shape[2], k.shape[2],
+        dout, q, k, v, out, lse.float().contiguous(), None, None, q.shape[2], k.shape[2],
         0.0, is_causal, rng, unused, scale=scale,
     )
     return dq, dk, dv
@@ -86,27 +101,30 @@ def _bias(mask, b: int, h: int, lq: int, lk: int):
 
 
 def masked_forward(q, k, v, mask, is_causal: bool, scale: float):
-    """(out, lse (B, H, Lq) float32) of a tile with an additive mask (or none: the fallback of flash tiles)."""
-    b, h, lq, _ = q.shape
-    kr, vr = repeat_kv(k, v, h // k.shape[1])
+    """(out, lse (B, H, Lq) float32) of a tile with an additive mask (or none: the fallback of flash tiles). A head dim
+    that is no multiple of 8 is zero-padded (scores and the kept columns do not change), as SDPA pads for flash."""
+    b, h, lq, d = q.shape
+    dp = math.ceil(d / 8) * 8
+    q, kr, vr = (aligned(t, dp) for t in (q, *repeat_kv(k, v, h // k.shape[1])))
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, kr, vr, _bias(mask, b, h, lq, k.shape[2]), True, 0.0, is_causal, scale=scale
     )[:2]
-    return out, lse[..., :lq].float()
+    return out[..., :d], lse[..., :lq].float()
 
 
 def masked_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float):
     """Block gradients of a masked tile from the merged out and lse; dk/dv summed back to k's heads."""
-    b, h, lq, _ = q.shape
-    rep = h // k.shape[1]
-    kr, vr = repeat_kv(k, v, rep)
+    b, h, lq, d = q.shape
+    rep, dp = h // k.shape[1], math.ceil(d / 8) * 8
+    dout, q, out, kr, vr = (aligned(t.to(q.dtype), dp) for t in (dout, q, out, *repeat_kv(k, v, rep)))
     lse_k = lse.new_full((b, h, math.ceil(lq / 32) * 32), float("inf"), dtype=torch.float32)  # the padded layout
     lse_k[..., :lq] = lse
     no_rng = torch.zeros((), dtype=torch.long, device=q.device)  # dropout 0: the kernel draws no random numbers
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.to(q.dtype).contiguous(), q, kr, vr, _bias(mask, b, h, lq, k.shape[2]), out.to(q.dtype), lse_k, no_rng,
-        no_rng, 0.0, [True, True, True, False], is_causal, scale=scale,
+        dout.contiguous(), q, kr, vr, _bias(mask, b, h, lq, k.shape[2]), out, lse_k, no_rng, no_rng, 0.0,
+        [True, True, True, False], is_causal, scale=scale,
     )
+    dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
     if rep > 1:
         dk = dk.view(b, h // rep, rep, *dk.shape[2:]).sum(2)
         dv = dv.view(b, h // rep, rep, *dv.shape[2:]).sum(2)
