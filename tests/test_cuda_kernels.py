@@ -51,6 +51,20 @@ def test_choose_kernel(monkeypatch, device, dtype, head_dim, masked, extra, flas
         assert ("flash", dtype) not in asked  # never self-checks flash where it cannot run
 
 
+@pytest.mark.parametrize("flash_on, efficient_on, masked, want", [
+    (False, True, False, "masked"), (True, False, False, "flash"), (True, False, True, "math"),
+    (False, False, False, "math"),
+])
+def test_torch_sdpa_switches_are_followed(monkeypatch, flash_on, efficient_on, masked, want):
+    """torch.backends.cuda.enable_flash_sdp(False) / enable_mem_efficient_sdp(False) keep hfcp off that kernel too."""
+    monkeypatch.setattr(kernels, "_flash_ok", lambda d, t: True)
+    monkeypatch.setattr(kernels, "_masked_ok", lambda d, t: True)
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: flash_on)
+    monkeypatch.setattr(torch.backends.cuda, "mem_efficient_sdp_enabled", lambda: efficient_on)
+    assert kernels.choose_kernel("cuda:0", BF16, 64, masked) == want
+    assert kernels.has_fused_kernel("cuda:0", BF16) == efficient_on  # the planner then keeps tiles small
+
+
 def test_has_fused_kernel_follows_the_masked_kernels_check(monkeypatch):
     """The planner keeps tiles small (math kernel) exactly when masked tiles have no fused kernel."""
     monkeypatch.setattr(kernels, "_masked_ok", lambda d, t: t == BF16)

@@ -164,7 +164,8 @@ def choose_kernel(device, dtype: torch.dtype, head_dim: int, masked: bool, softc
     """The kernel of one tile: "math" (a softcap, or no fused kernel passed its check), "cpu" (the CPU flash kernel),
     "flash" (CUDA, a tile without a mask in fp16 / bf16) or "masked" (CUDA memory-efficient SDPA: masked tiles, fp32,
     and unmasked tiles the flash kernel does not take). rect_causal: a causal tile with Lq != Lk, which flash would
-    align bottom-right (the planner makes none)."""
+    align bottom-right (the planner makes none). A kernel switched off in torch's SDPA switches
+    (torch.backends.cuda.enable_flash_sdp(False), enable_mem_efficient_sdp(False)) is not used."""
     device = torch.device(device)
     if softcap is not None:
         return "math"
@@ -172,10 +173,17 @@ def choose_kernel(device, dtype: torch.dtype, head_dim: int, masked: bool, softc
         return "cpu"
     if device.type != "cuda":
         return "math"
-    if not masked and not rect_causal and dtype in cuda_kernels.FLASH_DTYPES \
-            and cuda_kernels.flash_head_dim_ok(device, head_dim) and _flash_ok(str(device), dtype):
+    flash_may = not masked and not rect_causal and dtype in cuda_kernels.FLASH_DTYPES
+    if flash_may and torch.backends.cuda.flash_sdp_enabled() and cuda_kernels.flash_head_dim_ok(device, head_dim) \
+            and _flash_ok(str(device), dtype):
         return "flash"
-    return "masked" if _masked_ok(str(device), dtype) else "math"
+    return "masked" if _masked_usable(device, dtype) else "math"
+
+
+def _masked_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """The memory-efficient kernel: enabled in torch's SDPA switches (torch.backends.cuda.enable_mem_efficient_sdp;
+    hfcp follows them as SDPA does) and past its self-check."""
+    return torch.backends.cuda.mem_efficient_sdp_enabled() and _masked_ok(str(device), dtype)
 
 
 def has_fused_kernel(device, dtype=torch.float32) -> bool:
@@ -184,7 +192,7 @@ def has_fused_kernel(device, dtype=torch.float32) -> bool:
     device = torch.device(device)
     if device.type == "cpu":
         return True
-    return device.type == "cuda" and _masked_ok(str(device), dtype)
+    return device.type == "cuda" and _masked_usable(device, dtype)
 
 
 def _kernel(q, k, mask, is_causal: bool):
