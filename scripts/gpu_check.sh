@@ -17,10 +17,10 @@ step() {  # step SECONDS COMMAND...: run COMMAND under its own time limit; note 
     echo "gpu_check.sh: FAILED or ran past ${limit} s: $*" >&2
   fi
 }
-step 60 python -m pytest -q -m gpu tests/test_gpu.py
+step 90 python -m pytest -q -m gpu tests/test_gpu.py
 # the tile kernels: hfcp against SDPA's flash backend at 8K-32K tokens, and each emulated rank's tiles of a packed row
 # at cp 2 / 4, balance='auto' against 'row' (every step of it has its own limit too)
-step 150 python scripts/gpu_kernels_check.py --step-timeout 20 --json runs/gpu_kernels.json
+step 120 python scripts/gpu_kernels_check.py --step-timeout 20 --json runs/gpu_kernels.json
 step 60 python scripts/bench.py --level attention --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_attention
 step 60 python scripts/bench.py --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_model
 # the full fine-tune mode on the GPU (one process: FSDP2 applies from two GPUs on, with the same command under

@@ -119,7 +119,7 @@ def masked_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float
     dout, q, out, kr, vr = (aligned(t.to(q.dtype), dp) for t in (dout, q, out, *repeat_kv(k, v, rep)))
     lse_k = lse.new_full((b, h, math.ceil(lq / 32) * 32), float("inf"), dtype=torch.float32)  # the padded layout
     lse_k[..., :lq] = lse
-    no_rng = torch.zeros((), dtype=torch.long, device=q.device)  # dropout 0: the kernel draws no random numbers
+    no_rng = torch.zeros((), dtype=torch.long, device=q.device)  # dropout 0: not read (as the forward returns it)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout.contiguous(), q, kr, vr, _bias(mask, b, h, lq, k.shape[2]), out, lse_k, no_rng, no_rng, 0.0,
         [True, True, True, False], is_causal, scale=scale,
