@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import StepBatch
+from .cuda_kernels import aligned_mask
 from .kernels import NEG_INF, acc_dtype, has_fused_kernel, kernel_backward, kernel_forward, lse_for_backward, merge_into
 
 MAX_TILE = 1024
@@ -173,7 +174,10 @@ def _plan_pair(spec, sb, q, k, dtype, device, tiles) -> None:
     empty = ~allowed.any(-1)  # (B or 1, 1, ql)
     if bool(empty.all()):
         return
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, NEG_INF)
+    if allowed.device.type == "cuda":  # rows aligned for the memory-efficient kernel, built once per step
+        mask = aligned_mask(allowed, dtype)
+    else:
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, NEG_INF)
     tiles.append(Tile(qo, ql, ko, kl, mask=mask, empty_rows=empty if bool(empty.any()) else None, softcap=cap))
 
 

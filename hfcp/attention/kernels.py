@@ -4,6 +4,10 @@ Shapes: q (B, H, Lq, D); k, v (B, Hkv, Lk, D) with H % Hkv == 0 (GQA: K/V are ne
 this point); mask None or an additive float mask broadcastable to (B, 1, Lq, Lk) in q's dtype;
 lse (B, H, Lq) float32 (float64 for a float64 model: see acc_dtype), natural log of the sum of exp(scale * q.k) over the allowed keys.
 
+On CUDA, hfcp.attention.cuda_kernels: torch's flash kernel for tiles without a mask (fp16 / bf16), the
+memory-efficient kernel for masked tiles and fp32; each runs only after its self-check against the math kernel
+(`choose_kernel` decides per tile; a failed check warns and names what runs instead).
+
 Memory layout: transformers hands attention (B, L, H, D) memory viewed as (B, H, L, D), and the CPU flash
 kernel is 10-15% faster on that layout than on contiguous (B, H, L, D) (measured, torch 2.13, one thread), so
 hfcp keeps it: accumulators are allocated like q, and K/V blocks travel in their own layout.
@@ -11,10 +15,11 @@ hfcp keeps it: accumulators are allocated like q, and K/V blocks travel in their
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 
 import torch
+
+from . import cuda_kernels
 
 NEG_INF = float("-inf")
 
@@ -88,79 +93,114 @@ def reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale, softcap=
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _repeat_kv(k, v, rep):
-    return (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)) if rep > 1 else (k, v)
+# the self-checks' cases: (name, key length, causal, masked); the masked kernel also runs unmasked tiles when the
+# flash kernel is unavailable, so its check covers both
+_CHECK_CASES = {"flash": ((40, True, False), (24, False, False)), "masked": ((40, True, False), (40, False, True))}
+_FALLBACK = {"flash": "the masked kernel (memory-efficient SDPA) runs unmasked tiles",
+             "masked": "the exact math kernel runs every tile (slower, tiles of at most MAX_TILE x MAX_TILE)"}
 
 
-def _aligned_bias(mask, b, h, lq, lk):
-    """The mem-efficient kernel wants the bias's last dim stride a multiple of 16: pad, then view."""
-    if mask is None:
-        return None
-    width = math.ceil(lk / 16) * 16
-    buf = mask.new_zeros(mask.shape[0], 1, lq, width)
-    buf[..., :lk] = mask
-    return buf[..., :lk].expand(b, h, lq, lk)
+def _check_mask(device, dtype, g):
+    """(2, 1, 40, 40) additive mask with ~30% of keys masked and row 5 of batch 1 fully masked (an empty row)."""
+    mask = torch.zeros(2, 1, 40, 40).masked_fill_(torch.rand(2, 1, 40, 40, generator=g) < 0.3, NEG_INF)
+    mask[..., 0] = 0.0
+    mask[1, :, 5] = NEG_INF
+    return mask.to(device, dtype)
 
 
-def _cuda_forward(q, k, v, mask, is_causal, scale):
-    b, h, lq, _ = q.shape
-    kr, vr = _repeat_kv(k, v, h // k.shape[1])
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, kr, vr, _aligned_bias(mask, b, h, lq, k.shape[2]), True, 0.0, is_causal, scale=scale
-    )
-    return out, lse[..., :lq].to(acc_dtype(q.dtype))
+def self_check(name: str, forward, backward, device, dtype: torch.dtype) -> None:
+    """Compare a tile kernel (forward, backward) with the math kernel on small GQA shapes, as the blocks call it
+    (backward from the merged out and lse, +inf on empty rows). Raises RuntimeError naming what disagreed."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    for lk, causal, masked in _CHECK_CASES[name]:
+        q, do = (torch.randn(2, 4, 40, 16, generator=g).to(device, dtype) for _ in range(2))
+        k, v = (torch.randn(2, 2, lk, 16, generator=g).to(device, dtype) for _ in range(2))
+        m = _check_mask(device, dtype, g) if masked else None
+        keep = (m.amax(-1) > NEG_INF) if masked else torch.ones(1, 1, 40, dtype=torch.bool, device=device)
+        o1, l1 = forward(q, k, v, m, causal, 0.25)
+        o2, l2 = reference_forward(q, k, v, m, causal, 0.25)
+        lse_b = lse_for_backward(l2)
+        g1 = backward(do, q, k, v, o2, lse_b, m, causal, 0.25)
+        g2 = reference_backward(do, q, k, v, o2, lse_b, m, causal, 0.25)
+        pairs = {"out": (o1 * keep[..., None], o2 * keep[..., None]), "dq": (g1[0], g2[0]), "dk": (g1[1], g2[1]),
+                 "lse": (l1.masked_fill(~keep, 0), l2.masked_fill(~keep, 0)), "dv": (g1[2], g2[2])}
+        for what, (a, b) in pairs.items():
+            if a.shape != b.shape or not bool(torch.isfinite(a).all()):
+                raise RuntimeError(f"{what}: shape {tuple(a.shape)} (want {tuple(b.shape)}) or non-finite values")
+            err = float((a.float() - b.float()).abs().max())
+            if err > tol * (1 + float(b.float().abs().max())):
+                raise RuntimeError(f"{what} differs from the math kernel by {err:.3g} (causal={causal}, mask={masked})")
 
 
-def _cuda_backward(dout, q, k, v, out, lse, mask, is_causal, scale):
-    b, h, lq, _ = q.shape
-    rep = h // k.shape[1]
-    kr, vr = _repeat_kv(k, v, rep)
-    lse_k = lse.new_full((b, h, math.ceil(lq / 32) * 32), float("inf"))  # the kernel's padded layout
-    lse_k[..., :lq] = lse
-    no_rng = torch.zeros((), dtype=torch.long)  # dropout 0: the kernel draws no random numbers
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, kr, vr, _aligned_bias(mask, b, h, lq, k.shape[2]), out, lse_k, no_rng, no_rng,
-        0.0, [True, True, True, False], is_causal, scale=scale,
-    )
-    if rep > 1:
-        dk = dk.view(b, h // rep, rep, *dk.shape[2:]).sum(2)
-        dv = dv.view(b, h // rep, rep, *dv.shape[2:]).sum(2)
-    return dq, dk, dv
-
-
-@functools.lru_cache(maxsize=None)
-def _fused_cuda_ok(device: str, dtype: torch.dtype) -> bool:
-    """Run the fused CUDA path once against the math kernel (masked, causal, GQA, fwd + bwd); on any error or
-    mismatch, warn and use the math kernel for this device and dtype (exact, slower)."""
+def _checked(name: str, device: str, dtype: torch.dtype) -> bool:
+    """Run the self-check of CUDA kernel `name` once; on any error or mismatch warn, naming the kernel and what runs
+    instead, and return False."""
     try:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        q, k, v, do = (torch.randn(2, hh, 40, 16, generator=g).to(device, dtype) for hh in (4, 2, 2, 4))
-        mask = torch.zeros(2, 1, 40, 40).masked_fill_(torch.rand(2, 1, 40, 40, generator=g) < 0.3, NEG_INF)
-        mask[..., 0] = 0.0
-        mask = mask.to(device, dtype)
-        tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
-        for m, causal in ((None, True), (mask, False)):
-            o1, l1 = _cuda_forward(q, k, v, m, causal, 0.25)
-            o2, l2 = reference_forward(q, k, v, m, causal, 0.25)
-            g1 = _cuda_backward(do, q, k, v, o1, l1, m, causal, 0.25)
-            g2 = reference_backward(do, q, k, v, o2, l2, m, causal, 0.25)
-            for a, b in ((o1, o2), (l1, l2), *zip(g1, g2)):
-                if not bool(torch.isfinite(a).all()) or float((a.float() - b.float()).abs().max()) > tol * (1 + float(b.float().abs().max())):
-                    raise RuntimeError("fused kernel disagrees with the math kernel")
+        self_check(name, getattr(cuda_kernels, f"{name}_forward"), getattr(cuda_kernels, f"{name}_backward"), device,
+                   dtype)
         return True
     except Exception as e:  # noqa: BLE001 - any failure means: do not use it
-        warnings.warn(f"hfcp: fused CUDA attention unavailable on {device} for {dtype} ({e}); using the exact math "
-                      "kernel (slower, tiles of at most MAX_TILE x MAX_TILE)")
+        fallback = _FALLBACK[name] if name == "masked" or _masked_ok(device, dtype) else _FALLBACK["masked"]
+        warnings.warn(f"hfcp: the {name} attention kernel failed its self-check on {device} for {dtype} ({e}); "
+                      f"{fallback}")
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _masked_ok(device: str, dtype: torch.dtype) -> bool:
+    """Whether the masked (memory-efficient SDPA) kernel passed its self-check on this device and dtype."""
+    return _checked("masked", device, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_ok(device: str, dtype: torch.dtype) -> bool:
+    """Whether the flash kernel passed its self-check on this device and dtype (fp16 / bf16 only)."""
+    return dtype in cuda_kernels.FLASH_DTYPES and _checked("flash", device, dtype)
+
+
+def choose_kernel(device, dtype: torch.dtype, head_dim: int, masked: bool, softcap: float | None = None,
+                  rect_causal: bool = False) -> str:
+    """The kernel of one tile: "math" (a softcap, or no fused kernel passed its check), "cpu" (the CPU flash kernel),
+    "flash" (CUDA, a tile without a mask in fp16 / bf16) or "masked" (CUDA memory-efficient SDPA: masked tiles, fp32,
+    and unmasked tiles the flash kernel does not take). rect_causal: a causal tile with Lq != Lk, which flash would
+    align bottom-right (the planner makes none). A kernel switched off in torch's SDPA switches
+    (torch.backends.cuda.enable_flash_sdp(False), enable_mem_efficient_sdp(False)) is not used."""
+    device = torch.device(device)
+    if softcap is not None:
+        return "math"
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        return "math"
+    flash_may = not masked and not rect_causal and dtype in cuda_kernels.FLASH_DTYPES
+    if flash_may and torch.backends.cuda.flash_sdp_enabled() and cuda_kernels.flash_head_dim_ok(device, head_dim) \
+            and _flash_ok(str(device), dtype):
+        return "flash"
+    return "masked" if _masked_usable(device, dtype) else "math"
+
+
+def _masked_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """The memory-efficient kernel: enabled in torch's SDPA switches (torch.backends.cuda.enable_mem_efficient_sdp;
+    hfcp follows them as SDPA does) and past its self-check."""
+    return torch.backends.cuda.mem_efficient_sdp_enabled() and _masked_ok(str(device), dtype)
+
+
 def has_fused_kernel(device, dtype=torch.float32) -> bool:
-    """Whether blocks run on a fused kernel that tiles internally (CPU flash, CUDA mem-efficient SDPA after a
-    self-check); else the plain-math kernel, whose tiles the planner keeps small."""
+    """Whether masked tiles run on a fused kernel that tiles internally (CPU flash, CUDA memory-efficient SDPA after
+    its self-check); else the plain-math kernel, whose tiles the planner keeps small."""
     device = torch.device(device)
     if device.type == "cpu":
         return True
-    return device.type == "cuda" and _fused_cuda_ok(str(device), dtype)
+    return device.type == "cuda" and _masked_usable(device, dtype)
+
+
+def _kernel(q, k, mask, is_causal: bool):
+    """(forward, backward) of the kernel this tile takes (choose_kernel), looked up at call time."""
+    kind = choose_kernel(q.device, q.dtype, q.shape[-1], mask is not None, None, is_causal and q.shape[2] != k.shape[2])
+    return {"cpu": (_cpu_forward, _cpu_backward), "math": (reference_forward, reference_backward),
+            "flash": (cuda_kernels.flash_forward, cuda_kernels.flash_backward),
+            "masked": (cuda_kernels.masked_forward, cuda_kernels.masked_backward)}[kind]
 
 
 def kernel_forward(q, k, v, mask, is_causal: bool, scale: float, softcap: float | None = None):
@@ -169,11 +209,8 @@ def kernel_forward(q, k, v, mask, is_causal: bool, scale: float, softcap: float 
     with torch.autocast(q.device.type, enabled=False):
         if softcap is not None:
             return reference_forward(q, k, v, mask, is_causal, scale, softcap)
-        if q.device.type == "cpu":
-            return _cpu_forward(q, k, v, mask, is_causal, scale)
-        if has_fused_kernel(q.device, q.dtype):
-            return _cuda_forward(q, k, v, mask, is_causal, scale)
-        return reference_forward(q, k, v, mask, is_causal, scale)
+        out, lse = _kernel(q, k, mask, is_causal)[0](q, k, v, mask, is_causal, scale)
+        return out, lse.to(acc_dtype(q.dtype))
 
 
 def kernel_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float, softcap: float | None = None):
@@ -181,11 +218,7 @@ def kernel_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float
     with torch.autocast(q.device.type, enabled=False):
         if softcap is not None:
             return reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale, softcap)
-        if q.device.type == "cpu":
-            return _cpu_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
-        if has_fused_kernel(q.device, q.dtype):
-            return _cuda_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
-        return reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale)
+        return _kernel(q, k, mask, is_causal)[1](dout, q, k, v, out, lse, mask, is_causal, scale)
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
