@@ -41,12 +41,12 @@ if __name__ == "__main__":  # torchrun --nproc-per-node 2 tests/sweep_audio.py [
             print(r["type"], r["result"], r["detail"][:300])
 
 
-def compare_mixed(model_type: str, strategy: str) -> dict:
-    """A text-only, left-padded row beside a row of two clips, one across the zigzag cut: _compare's result."""
+def compare_mixed(model_type: str, strategy: str, side: str = "left") -> dict:
+    """A text-only row beside a row of two clips, one across the zigzag cut, padded on `side`: _compare's result."""
     from hfcp.testing.tiny_audio import mixed_audio_batch
 
     built = tiny_audio(model_type)
-    return _compare(lambda: copy.deepcopy(built), mixed_audio_batch, strategy)
+    return _compare(lambda: copy.deepcopy(built), lambda m: mixed_audio_batch(m, side=side), strategy)
 
 
 def compare_omni(strategy: str) -> dict:

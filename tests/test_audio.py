@@ -34,9 +34,10 @@ def test_audio_matrix_is_current(sweep):
     assert support_matrix.render_audio_table(sweep) in page, "docs' audio matrix is stale: run scripts/support_matrix.py"
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_audio", "qwen2_5_omni_thinker"])
-def test_text_row_beside_clips_cp2_allgather(pool2, model_type):
-    for r in pool2.run(S.compare_mixed, model_type, "allgather", timeout=300):
+@pytest.mark.parametrize("model_type, side", [("qwen2_audio", "left"), ("qwen2_5_omni_thinker", "left"),
+                                              ("voxtral", "right")])
+def test_text_row_beside_clips_cp2_allgather(pool2, model_type, side):
+    for r in pool2.run(S.compare_mixed, model_type, "allgather", side, timeout=300):
         assert r["result"] == "exact", r
 
 

@@ -215,14 +215,18 @@ def omni_batch(model, length: int = 48) -> dict:
     return {**out, **pixels}
 
 
-def mixed_audio_batch(model, length: int = 48) -> dict:
+def mixed_audio_batch(model, length: int = 48, side: str = "left") -> dict:
     """audio_batch with its first row's clip gone (a text-only row beside a row of two clips; the clip dropped from
-    the inputs) and that row padded on the left."""
+    the inputs), and padding: side "left", the text-only row padded on the left; "right", the row of clips padded
+    on the right (its last 6 tokens, after its clips)."""
     out = audio_batch(model, length)
     ids, first = out["input_ids"], out["input_ids"][0] == AUDIO
     n = int(first.sum())
     ids[0, first] = 5  # text where the clip was
-    out["attention_mask"][0, :n] = 0  # left padding as long as the clip was
+    if side == "left":
+        out["attention_mask"][0, :n] = 0  # left padding as long as the clip was
+    else:
+        out["attention_mask"][1, -6:] = 0
     out["labels"] = ids.masked_fill((ids == AUDIO) | (out["attention_mask"] == 0), -100)
     for k, v in list(out.items()):
         if k not in ("input_ids", "labels", "attention_mask"):
