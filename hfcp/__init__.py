@@ -6,7 +6,7 @@ from .distributed.collectives import CollectiveError
 from .distributed.data import average_gradients, data_parallel_rank_and_size
 from .outputs import gather_outputs
 from .api import gather_sequence, patch, unpatch
-from .plan_report import balance_report
+from .plan_report import balance_report, step_imbalance
 from .pooling import pool_sequence
 from .state import cp_state
 from .loss.logps import SequenceLogps, sequence_logps
@@ -16,7 +16,7 @@ from . import patches  # noqa: E402,F401  (registers the families; installed fro
 
 __all__ = [
     "patch", "unpatch", "gather_sequence", "pool_sequence", "gather_outputs", "cp_state", "data_parallel_rank_and_size",
-    "average_gradients", "sequence_logps", "SequenceLogps", "balance_report",
+    "average_gradients", "sequence_logps", "SequenceLogps", "balance_report", "step_imbalance",
     "UnsupportedModelError", "CollectiveError", "Patcher", "register_patcher", "supported_model_types",
 ]
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .layout import Layout, Range, StepBatch
-from .work import position_work
+from .work import step_work
 
 LONG_SHARES = (1 / 4, 1 / 8, 1 / 16, 1 / 64, 0.0)  # a segment is long above this share of a rank's mean work
 BUNDLE_SHARE = 1 / 16  # whole segments are bundled up to this share of a rank's mean work (and of its tokens)
@@ -110,7 +110,7 @@ def step_layout(sb: StepBatch, masks) -> Layout:
     row = sb.layout
     if sb.doc_ids is None or sb.blocks is not None:
         return row
-    return balanced_layout(row, position_work(masks, sb), segment_starts(sb.doc_ids, row.padded_len))
+    return balanced_layout(row, step_work(sb, masks), segment_starts(sb.doc_ids, row.padded_len))
 
 
 def _range_work(prefix: _Prefix, ranges) -> int:

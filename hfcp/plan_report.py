@@ -1,5 +1,6 @@
 """hfcp.balance_report: per-rank tokens, attention work and bytes of a batch under a layout, counted from the batch
-and the model's config: no forward, no process group, so a user can plan before launching."""
+and the model's config: no forward, no process group, so a user can plan before launching. hfcp.step_imbalance: the
+same imbalance of the forward that just ran, from its layout."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,8 @@ from .families.resolve import patcher_for, plan_patch
 from .hooks.batch import default_positions, take_packed_lengths, text_positions
 from .layout import Layout, StepBatch, build_step_batch
 from .state import Settings, cp_state, find_pretrained
-from .work import imbalance, layer_masks, position_work, rank_work
+from .work import imbalance, layer_masks, position_work, rank_work, step_work, ulysses_width
+
 
 def _model_facts(model, cp_size):
     """(cp, patcher, attention modules, strategy, ulysses size, balance setting) of a patched model (its settings) or
@@ -46,8 +48,8 @@ def _step_of(patcher, layout: Layout, batch: dict) -> StepBatch:
     return build_step_batch(layout, 0, B, text_positions(pos), mask, "cpu")
 
 
-def _counts(layout: Layout, work: torch.Tensor, volume: float) -> dict:
-    per_rank = rank_work(layout, work)
+def _counts(layout: Layout, work: torch.Tensor, volume: float, ulysses: int) -> dict:
+    per_rank = rank_work(layout, work, ulysses)
     return {"layout": "balanced" if layout.balanced else "row", "tokens": [layout.local_len] * layout.cp_size,
             "attention_work": per_rank, "imbalance": imbalance(per_rank), "bytes_per_layer": [volume] * layout.cp_size,
             "ranges": [list(layout.ranges(r)) for r in range(layout.cp_size)]}
@@ -70,7 +72,8 @@ def balance_report(model, cp_size: int | None = None, balance: str | None = None
          used ("" when balanced), "row": the same counts for balance="row"}.
         attention_work counts the allowed query-key pairs of each rank's queries under the model's masks (causal,
         sliding windows, attention chunks, documents, key padding), summed over the batch's rows and the model's
-        attention layers; bytes_per_layer is what a rank sends per attention layer in one training step.
+        attention layers (under "ulysses" and "usp", whose all-to-all gives every rank of a Ulysses group all of the
+        group's queries for a share of the heads: the group's mean); bytes_per_layer is what a rank sends per attention layer in one training step.
     Raises:
         ValueError: an unknown balance, no cp_size for an unpatched model, a batch without input_ids or inputs_embeds.
         UnsupportedModelError: a model hfcp.patch would refuse.
@@ -98,4 +101,29 @@ def balance_report(model, cp_size: int | None = None, balance: str | None = None
     used = row if reason else step_layout(sb, masks)
     if not reason and not used.balanced:
         reason = "the row layout is as balanced"
-    return {**_counts(used, work, volume), "reason": reason, "row": _counts(row, work, volume)}
+    width = ulysses_width(strategy, cp, u)
+    return {**_counts(used, work, volume, width), "reason": reason, "row": _counts(row, work, volume, width)}
+
+
+def step_imbalance(model) -> float | None:
+    """max / mean over the CP group's ranks of the attention work of the model's last forward, under the layout that
+    forward ran (balanced or row): the count hfcp.balance_report reports as "imbalance" for that batch. Counted
+    locally from the step's layout (every rank holds the whole batch, so each counts every rank's work alike, no
+    collective), O(rows x tokens) per mask and at most once per step: the balance planner's count is reused.
+
+    Args:
+        model: a transformers model, patched by hfcp.patch or not (PEFT / DDP-wrapped or not).
+    Returns:
+        The ratio (1.0: even), or None where there is nothing to report: an unpatched model, cp_size 1, no forward
+        yet, a decode step, a model without attention layers, or masks with the bidirectional blocks of a
+        vision-language model (not counted).
+    """
+    state = cp_state(model)
+    if state is None or state.mesh.cp_size == 1 or not state.modules:
+        return None
+    sb = state.step
+    if sb is None or sb.blocks is not None or state.fwd.decoding:
+        return None
+    work = step_work(sb, layer_masks(state.modules, state.patcher.causal))
+    width = ulysses_width(state.strategy, state.mesh.cp_size, getattr(state.attention_group, "ulysses_size", None))
+    return imbalance(rank_work(sb.layout, work, width))

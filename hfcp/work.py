@@ -5,8 +5,9 @@ attention chunk) is a run of consecutive tokens, so the keys a query may see for
 in it: [max(group start, q - window + 1), q] for causal attention, [max(group start, q - window + 1), group end]
 otherwise. Counting is a prefix sum over the valid keys, O(rows x tokens) per mask: never an L x L mask.
 
-A rank's work is the sum over its queries: every rank sees every key once per pass (the ring, the all-gather, the
-all-to-all), so the work a rank does is decided by which queries it holds.
+A rank's work is the sum over its queries: every rank sees every key once per pass (the ring, the all-gather), so the
+work a rank does is decided by which queries it holds. Ulysses' all-to-all gives each rank all of its group's queries
+for a share of the heads: the group's work is shared evenly (rank_work's ulysses_size).
 """
 from __future__ import annotations
 
@@ -66,6 +67,14 @@ def position_work(masks: Iterable[tuple[MaskSpec, int]], sb: StepBatch) -> torch
     return total
 
 
+def step_work(sb: StepBatch, masks: Iterable[tuple[MaskSpec, int]]) -> torch.Tensor:
+    """position_work of the step, counted on its first use and kept on the step (sb.work): the balance planner and
+    the step's imbalance (hfcp.step_imbalance) read the same count."""
+    if sb.work is None:
+        sb.work = position_work(masks, sb)
+    return sb.work
+
+
 def layer_masks(modules, causal: bool) -> list[tuple[MaskSpec, int]]:
     """(mask, number of layers) of the model's attention modules, as their calls pass it: each module's own
     sliding_window (Gemma, Qwen2), else its config's (Mistral), and its layer's attention chunk (Llama 4)."""
@@ -79,9 +88,22 @@ def layer_masks(modules, causal: bool) -> list[tuple[MaskSpec, int]]:
     return list(counts.items()) or [(MaskSpec(causal, None), 1)]
 
 
-def rank_work(layout: Layout, work: torch.Tensor) -> list[int]:
-    """Each rank's attention work under `layout`: the sum of `work` (per position) over the rank's local tokens."""
-    return [int(work[layout.local_index(r)].sum()) for r in range(layout.cp_size)]
+def rank_work(layout: Layout, work: torch.Tensor, ulysses_size: int = 1) -> list[float]:
+    """Each rank's attention work under `layout`: the sum of `work` (per position) over the rank's local tokens.
+
+    ulysses_size: ranks per Ulysses group (1: ring and allgather; cp: ulysses; usp's size). The all-to-all gives each
+    rank of a group the group's queries for 1 / ulysses_size of the heads, so its work is the group's mean.
+    """
+    own = [int(work[layout.local_index(r)].sum()) for r in range(layout.cp_size)]
+    u = ulysses_size
+    return own if u == 1 else [sum(own[r - r % u: r - r % u + u]) / u for r in range(layout.cp_size)]
+
+
+def ulysses_width(strategy: str, cp_size: int, ulysses_size: int | None) -> int:
+    """Ranks that share their queries by an all-to-all: cp_size for "ulysses", usp's Ulysses group size, else 1."""
+    if strategy == "ulysses":
+        return cp_size
+    return (ulysses_size or 1) if strategy == "usp" else 1
 
 
 def imbalance(per_rank: list[int]) -> float:

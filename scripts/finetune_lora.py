@@ -275,9 +275,9 @@ class Rows(torch.utils.data.Dataset):
 
 def make_recorder(out_dir: Path, start_step: int, tokens_per_step: int, device, is_main: bool,
                   name: str = "metrics.jsonl", desc: str = "train"):
-    """A TrainerCallback: `name` in out_dir (step, loss, tokens_per_s, peak_mem_mb, lr per optimizer step, and the
-    mean reward where GRPO logs one) on the main process, and a progress bar that shows them instead of printing
-    every log line."""
+    """A TrainerCallback: `name` in out_dir (step, loss, tokens_per_s, peak_mem_mb, lr per optimizer step, the mean
+    reward where GRPO logs one, cp_imbalance under CP) on the main process, and a progress bar that shows them
+    instead of printing every log line."""
     from transformers import TrainerCallback
 
     class Recorder(TrainerCallback):
@@ -304,11 +304,14 @@ def make_recorder(out_dir: Path, start_step: int, tokens_per_step: int, device, 
                       "peak_mem_mb": peak_mem_mb(device), "lr": logs["learning_rate"]}
             if "reward" in logs:  # GRPO: the mean reward of the step's completions
                 record["reward"] = logs["reward"]
+            if "cp_imbalance" in logs:  # under CP: attention work max / mean over the ranks (1.0: even)
+                record["cp_imbalance"] = logs["cp_imbalance"]
             if self.file:
                 self.file.write(json.dumps(record) + "\n")
                 self.file.flush()
+            imbalance = {"imbalance": f"{record['cp_imbalance']:.3f}"} if "cp_imbalance" in record else {}
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                 mem_mb=f"{record['peak_mem_mb']:.0f}")
+                                 mem_mb=f"{record['peak_mem_mb']:.0f}", **imbalance)
 
         def on_train_end(self, args, state, control, **kw):
             self.bar.close()

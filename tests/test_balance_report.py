@@ -6,7 +6,8 @@ import torch
 import hfcp
 import workers_balance as WB
 from hfcp.attention.volume import comm_bytes
-from hfcp.layout import Layout
+import hfcp.work
+from hfcp.layout import Layout, build_step_batch
 from test_balance import brute_force_work, documents
 from workers_model import tiny_model
 from hfcp.attention.blocks import MaskSpec
@@ -94,7 +95,34 @@ def test_report_reads_a_patched_models_settings(pool2):
         assert patched[0]["layout"] == "row" and patched[0]["reason"] == "balance='row'"
 
 
+def test_ulysses_shares_each_groups_work(pool2):
+    """Ulysses' all-to-all gives each rank every query of its group for half the heads: the work is even whatever
+    the layout (the ring's count of the same batch is not)."""
+    for patched, ring in pool2.run(WB.report_of_patched, "ulysses", "row", "llama"):
+        work = ring["row"]["attention_work"]
+        assert patched["layout"] == "row" and patched["attention_work"] == [sum(work) / 2] * 2, (patched, work)
+        assert patched["imbalance"] == 1.0 and ring["row"]["imbalance"] > 1.2, (patched, ring)
+
+
+def test_usp_work_is_the_mean_of_each_ulysses_group():
+    """usp at cp 4 with Ulysses groups of 2 ranks ({0, 1}, {2, 3}): each rank does its group's mean work."""
+    layout = Layout(PACKED.shape[1], 4, zigzag=True)
+    work = hfcp.work.position_work([(MaskSpec(True, None), 1)], build_step_batch(layout, 0, 1, PACKED, None, "cpu"))
+    own = hfcp.work.rank_work(layout, work)
+    pairs = [(own[0] + own[1]) / 2] * 2 + [(own[2] + own[3]) / 2] * 2
+    assert hfcp.work.rank_work(layout, work, 2) == pairs and hfcp.work.rank_work(layout, work, 4) == [sum(own) / 4] * 4
+    assert hfcp.work.ulysses_width("usp", 4, 2) == 2 and hfcp.work.ulysses_width("ulysses", 4, None) == 4
+    assert hfcp.work.ulysses_width("ring", 4, None) == hfcp.work.ulysses_width("allgather", 4, None) == 1
+
+
 def test_patch_refuses_an_unknown_balance():
     """Refused from the arguments alone (so on every rank alike, before any collective), naming the choices."""
     with pytest.raises(ValueError, match="balance='zigzag' is not one of \\['auto', 'row'\\]"):
         hfcp.patch(tiny_model("llama"), cp_size=2, balance="zigzag")
+
+
+def test_step_imbalance_is_none_without_cp():
+    """An unpatched model's forward (one process): nothing to report, so the trainers log no cp_imbalance."""
+    model = tiny_model("llama")
+    model(**batch())
+    assert hfcp.step_imbalance(model) is None

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import workers_dpo as W
+from workers_balance import assert_imbalance_logged
 
 pytest.importorskip("trl")  # the optional extra hfcp[trl]; CI installs it
 
@@ -32,9 +33,11 @@ def dpo_reference(pool1):
 
 def test_dpo_cp2_equals_one_process(pool2, dpo_reference):
     """An explicit reference model (a copy of the initial policy), TRL's right padding."""
-    for got in pool2.run(W.dpo_run, 2, 2):
+    runs = pool2.run(W.dpo_run, 2, 2)
+    for got in runs:
         assert got["patched"] == (True, True), got["patched"]  # both models run CP, through hfcp's fused head
         assert_same(got, dpo_reference)
+    assert_imbalance_logged(runs, dpo_reference)
 
 
 def test_dpo_dp2_cp2_equals_one_process(pool4, dpo_reference):

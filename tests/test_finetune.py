@@ -86,6 +86,8 @@ def test_cp2_losses_equal_single_process(runs):
 def test_metrics_fields(runs):
     rec = json.loads((runs / "cp2" / "metrics.jsonl").read_text().splitlines()[0])
     assert {"step", "loss", "tokens_per_s", "peak_mem_mb"} <= rec.keys() and rec["step"] == 1
+    assert rec["cp_imbalance"] >= 1.0, rec  # under CP only
+    assert "cp_imbalance" not in json.loads((runs / "single" / "metrics.jsonl").read_text().splitlines()[0])
     assert (runs / "cp2" / "loss_curve.png").stat().st_size > 1000
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import workers_grpo as W
+from workers_balance import assert_imbalance_logged
 
 pytest.importorskip("trl")  # the optional extra hfcp[trl]; CI installs it
 
@@ -37,6 +38,7 @@ def test_grpo_cp2_equals_one_process(pool2, grpo_reference):
     got = pool2.run(W.grpo_run, 8, True, None, None, False, False, True)
     for g in got:
         assert_same_run(g, grpo_reference)
+    assert_imbalance_logged(got, grpo_reference)  # (left out of the histories compared: logged under CP only)
     # the rewards are computed once per CP group, by its first rank
     assert [g["reward_calls"] for g in got] == [grpo_reference["reward_calls"], 0], got
     assert len(grpo_reference["completions"]) == 3 + 6  # 3 training steps, 6 evaluation batches

@@ -2,6 +2,7 @@
 import pytest
 
 import workers_reward as W
+from workers_balance import assert_imbalance_logged
 
 pytest.importorskip("trl")  # the optional extra hfcp[trl]; CI installs it
 
@@ -26,9 +27,11 @@ def reward_reference(pool1):
 
 
 def test_reward_cp2_equals_one_process(pool2, reward_reference):
-    for got in pool2.run(W.reward_run, 4):
+    runs = pool2.run(W.reward_run, 4)
+    for got in runs:
         assert got["last_token_ranks"] == {0, 1}  # the scores come from either rank, depending on the row
         assert_same(got, reward_reference)
+    assert_imbalance_logged(runs, reward_reference)
 
 
 def test_reward_dp2_cp2_equals_one_process(pool4, reward_reference):

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import workers_trainer as W
+from workers_balance import assert_imbalance_logged
 
 pytest.importorskip("trl")  # the optional extra hfcp[trl]; CI installs it
 
@@ -34,8 +35,10 @@ def test_sft_cp2_equals_one_process(pool2, sft_reference):
 
 def test_sft_packing_cp2_equals_one_process(pool1, pool2):
     ref = pool1.run(W.sft_run, 2, None, {"packing": True, "max_length": 48})[0]
-    for got in pool2.run(W.sft_run, 2, None, {"packing": True, "max_length": 48}):
+    runs = pool2.run(W.sft_run, 2, None, {"packing": True, "max_length": 48})
+    for got in runs:
         assert_same(got, ref)
+    assert_imbalance_logged(runs, ref)
 
 
 def test_sft_dp2_cp2_equals_one_process(pool4, sft_reference):

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
+import hfcp
 import workers_trainer as W
+from workers_model import tiny_model
 
 KEYS = ("loss", "grad_norm", "learning_rate", "num_input_tokens_seen", "eval_loss", "total_flos")
 
@@ -124,6 +126,27 @@ def test_padding_free_collator_is_exact(pool1, pool2):
             for k in g:
                 assert abs(g[k] - r[k]) <= 2e-5 * max(1.0, abs(r[k])), (k, g, r)
         assert abs(got["eval_loss"] - ref["eval_loss"]) <= 2e-5 * ref["eval_loss"]
+        assert got["imbalance_logged"] == [True] * 4, got["imbalance_logged"]  # with each loss, under CP only
+    assert ref["imbalance_logged"] == [False] * 4, ref["imbalance_logged"]
+
+
+@pytest.mark.parametrize("balance", ["auto", "row"])
+def test_trainer_logs_the_steps_attention_imbalance(pool2, balance):
+    """cp_imbalance beside each loss: the mean over the logging interval's steps (2 here) of each step's max / mean
+    attention work over the ranks, equal on both ranks and to hfcp.balance_report's count of the same batches. On rows
+    of one long document and short ones, balance="auto" evens the work; "row" (zigzag) leaves it uneven."""
+    from workers_balance import trainer_imbalance_run
+
+    runs = pool2.run(trainer_imbalance_run, balance)
+    assert runs[0]["logged"] == runs[1]["logged"] and runs[0]["losses"] == 2, runs[0]
+    batches = runs[0]["batches"]
+    assert len(batches) == 4 and runs[0]["work_counts"] == 4, runs[0]["work_counts"]  # once a step: the planner's
+    counted = [hfcp.balance_report(tiny_model("llama"), cp_size=2, balance=balance, input_ids=ids,
+                                   position_ids=pos)["imbalance"] for ids, pos in batches]
+    assert [step for step, _ in runs[0]["logged"]] == [2, 4], runs[0]["logged"]
+    for (_, logged), pair in zip(runs[0]["logged"], (counted[:2], counted[2:])):
+        assert abs(logged - sum(pair) / 2) <= 1e-12, (logged, counted)
+    assert all(c <= 1.02 for c in counted) if balance == "auto" else all(c > 1.1 for c in counted), counted
 
 
 def test_random_data_pipeline_with_workers_gives_one_batch_per_cp_group(pool1, pool2):

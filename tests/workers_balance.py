@@ -7,9 +7,9 @@ import hfcp
 from workers_model import tiny_model
 
 
-def report_of_patched(strategy: str, balance: str = "auto") -> tuple[dict, dict]:
+def report_of_patched(strategy: str, balance: str = "auto", model_type: str = "mistral") -> tuple[dict, dict]:
     """(report of the patched model, report of the same model unpatched with cp_size = the world)."""
-    model = tiny_model("mistral")
+    model = tiny_model(model_type)
     pos = torch.cat([torch.arange(n) for n in (40, 6, 9, 17)])[None]
     ids = torch.randint(0, 64, pos.shape, generator=torch.Generator().manual_seed(0))
     before = hfcp.balance_report(model, cp_size=torch.distributed.get_world_size(), input_ids=ids, position_ids=pos)
@@ -52,3 +52,63 @@ def family_exact(model_type: str, strategy: str, documents: list[list[int]], bal
                 "balanced": hfcp.cp_state(model).step.layout.balanced}
     finally:
         hfcp.unpatch(model)
+
+
+class LongTailRows(torch.utils.data.Dataset):
+    """n packed rows of 64 tokens (input_ids, position_ids, labels): one document of 40 tokens and six short ones, in
+    another order in each row."""
+
+    def __init__(self, n: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.tensor([40, 6, 5, 4, 3, 3, 3])
+        self.rows = []
+        for _ in range(n):
+            pos = torch.cat([torch.arange(int(k)) for k in lengths[torch.randperm(len(lengths), generator=g)]])
+            ids = torch.randint(0, 64, pos.shape, generator=g)
+            self.rows.append({"input_ids": ids, "position_ids": pos, "labels": ids.clone()})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def trainer_imbalance_run(balance: str) -> dict:
+    """HfcpTrainer on a model patched with `balance`, 4 steps of one long-tail packed row, logged every 2 steps: the
+    logged (step, cp_imbalance) pairs, the batches of the training forwards (input_ids, position_ids), and how many
+    times the work per query was counted (hfcp.work.query_work)."""
+    import tempfile
+
+    from hfcp import work
+    from hfcp.integrations import HfcpTrainer
+    from workers_trainer import _args, _reset_accelerate
+
+    _reset_accelerate()
+    model = tiny_model("llama")
+    batches = []
+    model.register_forward_pre_hook(lambda m, args, kw: batches.append((kw["input_ids"].clone(),
+                                                                        kw["position_ids"].clone()))
+                                    if m.training else None, with_kwargs=True)
+    hfcp.patch(model, balance=balance)  # (HfcpTrainer takes no balance option: a patched model keeps its own)
+    counted, count = [], work.query_work
+    work.query_work = lambda *a: counted.append(1) or count(*a)  # the work counts of the run (one mask: one a step)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            trainer = HfcpTrainer(model=model, args=_args(out, 1, logging_steps=2), train_dataset=LongTailRows(8))
+            trainer.train()
+    finally:
+        work.query_work = count
+    logged = [(h["step"], h["cp_imbalance"]) for h in trainer.state.log_history if "cp_imbalance" in h]
+    return {"logged": logged, "losses": sum("loss" in h for h in trainer.state.log_history), "batches": batches,
+            "work_counts": len(counted)}
+
+
+def assert_imbalance_logged(runs: list[dict], reference: dict) -> None:
+    """The ranks of a CP run logged cp_imbalance (at least 1, the same on every rank) with each training loss; the
+    one-process reference none. runs / reference: workers' results with "imbalance", the value of each loss's log."""
+    assert reference["imbalance"] and set(reference["imbalance"]) == {None}, reference["imbalance"]
+    for got in runs:
+        assert got["imbalance"] == runs[0]["imbalance"], [g["imbalance"] for g in runs]
+        assert len(got["imbalance"]) == len(reference["imbalance"]), (got["imbalance"], reference["imbalance"])
+        assert all(v is not None and v >= 1.0 for v in got["imbalance"]), got["imbalance"]

@@ -99,7 +99,8 @@ def dpo_run(per_device: int, cp_size=None, reference="model", overrides=None, le
         metrics = trainer.evaluate()
         pred = trainer.predict(trainer.eval_dataset) if predict else None
     history = [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
-    return {"history": history, "patched": _patched(trainer),
+    imbalance = [h.get("cp_imbalance") for h in trainer.state.log_history if "loss" in h]
+    return {"history": history, "imbalance": imbalance, "patched": _patched(trainer),
             "predictions": None if pred is None else (torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids)),
             "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and k.split("_", 1)[1] in METRICS}}
 

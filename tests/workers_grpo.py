@@ -111,9 +111,10 @@ def grpo_run(per_device: int, hfcp: bool, cp_size=None, overrides=None, lora=Fal
         trainer.train()
         if evaluate:
             trainer.evaluate()
-    history = [{k: v for k, v in h.items() if k not in _TIMING} for h in trainer.state.log_history]
+    history = [{k: v for k, v in h.items() if k not in _TIMING + ("cp_imbalance",)} for h in trainer.state.log_history]
     ref_model, state = getattr(trainer, "ref_model", None), cp_state(trainer.model)
-    return {"history": history, "completions": drawn, "widest": max(widths), "reward_calls": REWARD_CALLS[0],
+    return {"history": history, "imbalance": [h.get("cp_imbalance") for h in trainer.state.log_history if "loss" in h],
+            "completions": drawn, "widest": max(widths), "reward_calls": REWARD_CALLS[0],
             "reference": None if ref_model is None else ("patched" if cp_state(ref_model) else "unpatched"),
             "strategy": state.settings.strategy if state is not None else None}
 

@@ -115,8 +115,9 @@ def reward_run(per_device: int, cp_size=None, overrides=None, left_padding=False
         trainer.train()
         metrics = trainer.evaluate()
     history = [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
+    imbalance = [h.get("cp_imbalance") for h in trainer.state.log_history if "loss" in h]
     evaluated = {k: v for k, v in metrics.items() if k.startswith("eval_") and k[5:] in METRICS}
-    return {"history": history, "eval": evaluated, "last_token_ranks": collator.ranks}
+    return {"history": history, "imbalance": imbalance, "eval": evaluated, "last_token_ranks": collator.ranks}
 
 
 def refused_causal_lm() -> str:

@@ -276,7 +276,8 @@ def flattened_run(per_device: int, cp_size=None):
                               data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True),
                               cp_size=cp_size)
         trainer.train()
-        return {"history": _history(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
+        return {"history": _history(trainer), "eval_loss": trainer.evaluate()["eval_loss"],
+                "imbalance_logged": [("cp_imbalance" in h) for h in trainer.state.log_history if "loss" in h]}
 
 
 def word_tokenizer():
@@ -346,7 +347,8 @@ def sft_run(per_device: int, cp_size=None, overrides=None, no_target_eval=False,
     keys = ("loss", "grad_norm", "learning_rate", "num_input_tokens_seen", "mean_token_accuracy", "entropy",
             "num_tokens")
     history = [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
-    return {"history": history, "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and
+    return {"history": history, "imbalance": [h.get("cp_imbalance") for h in trainer.state.log_history if "loss" in h],
+            "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and
                                          k.split("_", 1)[1] in ("loss", "mean_token_accuracy", "entropy")},
             "predictions": torch.as_tensor(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids)}
 

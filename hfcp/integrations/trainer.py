@@ -7,7 +7,8 @@ What changes against the parent, and why:
   number of DP groups (not processes) before DDP averages the gradients over all processes, because the mean of
   the gradients over a CP group is already the gradient of that group's loss (docs/concepts/exactness.md);
 - counters: tokens seen and FLOPs count each DP group once, the total batch size is per DP group;
-- evaluate / predict: see evaluation.py (whole sequences, one copy per DP group, no repeated samples).
+- evaluate / predict: see evaluation.py (whole sequences, one copy per DP group, no repeated samples);
+- logging: `cp_imbalance` beside the training loss (the steps' attention work max / mean over the CP group's ranks).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from transformers import Trainer
 from ..distributed.data import data_parallel_rank_and_size
 from ..distributed.mesh import consecutive_block
 from ..api import patch
+from ..plan_report import step_imbalance
 from ..state import cp_state, find_pretrained
 from .evaluation import CountedIterable, EvaluationMixin
 from .parallelism import UNSET, accelerate_view, describe, handed_to_accelerate, layout_problems, requested_layout
@@ -49,6 +51,7 @@ class HfcpTrainerMixin(EvaluationMixin):
         """
         self._hfcp_refuse_unsupported()
         self._hfcp_step_loss_next = False  # set by prediction_step for the gather of its loss that follows
+        self._hfcp_imbalances = []  # hfcp.step_imbalance of each training step since the last logged loss
         given = {k: v for k, v in patch_options.items() if v is not UNSET}
         layout = self._hfcp_layout
         state = cp_state(self.model)
@@ -226,6 +229,28 @@ class HfcpTrainerMixin(EvaluationMixin):
             loss = loss * data_parallel_rank_and_size(self.model)[1]  # the reducer averages over dp x cp ranks
         return (loss, outputs) if return_outputs else loss
 
+    # ---- logging: the attention work imbalance of the steps, with the loss ---------------------------------------
+    def train(self, *args, **kwargs):
+        self._hfcp_imbalances = []  # (as the Trainer's running loss, nothing carries over from an earlier train())
+        return super().train(*args, **kwargs)
+
+    def training_step(self, *args, **kwargs):
+        """The parent's; then the step's attention work imbalance (hfcp.step_imbalance of its last forward, counted
+        from the layout it ran, without communication), kept for the next log of the loss. None without CP."""
+        loss = super().training_step(*args, **kwargs)
+        imbalance = step_imbalance(self.model)
+        if imbalance is not None:
+            self._hfcp_imbalances.append(imbalance)
+        return loss
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """The parent's, with `cp_imbalance` beside a training loss: the mean over the steps since the last one (as
+        the loss) of max / mean attention work over the ranks of this process's CP group."""
+        if "loss" in logs and getattr(self, "_hfcp_imbalances", None):
+            logs["cp_imbalance"] = sum(self._hfcp_imbalances) / len(self._hfcp_imbalances)
+            self._hfcp_imbalances = []
+        super().log(logs, *args, **kwargs)
+
     # ---- counters -------------------------------------------------------------------------------------------
     def _track_num_input_tokens(self, inputs):
         before = self.state.num_input_tokens_seen
@@ -244,6 +269,9 @@ class HfcpTrainer(HfcpTrainerMixin, Trainer):
             already keeps its settings, and an option given that differs from them is refused. With accelerate's
             ParallelismConfig (TrainingArguments.parallelism_config, or accelerate launch's), the CP size is its
             cp_size (a cp_size given here must agree; None: the whole world).
+    Logged as by Trainer, and under CP (cp_size > 1) `cp_imbalance` with each training loss: the mean over the steps
+    since the previous log of max / mean attention work over the ranks of this process's CP group, under the layout
+    each step ran (hfcp.step_imbalance); 1.0 is even.
     Raises:
         ValueError: settings hfcp cannot make exact (label smoothing, compute_loss_func, FSDP version 1,
             split_batches, dispatch_batches, model_init, a tensor-parallel model), and ParallelismConfig layouts it
