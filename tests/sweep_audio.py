@@ -171,3 +171,20 @@ def batch_norm_encoder_refused() -> str:
         tower_split._SPLIT_MODES.pop("granite_speech_encoder", None)
         hfcp.unpatch(model)
     return "nothing raised"
+
+
+def cached_forward_raised(model_type: str) -> str:
+    """A forward with use_cache=True (not generate()) on the patched model: what it raised."""
+    import hfcp
+
+    model = tiny_audio(model_type).eval()
+    data = audio_batch(model)
+    data.pop("labels")
+    hfcp.patch(model, process_group=dist.group.WORLD)
+    try:
+        model(**data, use_cache=True)
+    except ValueError as e:
+        return str(e)
+    finally:
+        hfcp.unpatch(model)
+    return "nothing raised"

@@ -86,9 +86,15 @@ def test_legacy_placeholders_refused_on_every_rank(pool2):
         assert "merged sequence has" in message and "tokens but input_ids had 48" in message, message
 
 
-def test_generate_after_an_audio_prompt(pool2):
-    """Voxtral: the tokens of the unpatched model; Qwen2-Audio, whose forward takes no logits_to_keep (each rank would
-    read its own shard's last position), refused on every rank before generating."""
-    assert pool2.run(S.generate_after_clips, "voxtral", timeout=300) == ["same tokens"] * 2
-    for message in pool2.run(S.generate_after_clips, "qwen2_audio", timeout=300):
-        assert "forward takes no logits_to_keep" in message and "hfcp.unpatch" in message, message
+@pytest.mark.parametrize("model_type", ["voxtral", "qwen2_audio", "qwen2_5_omni_thinker"])
+def test_generate_after_an_audio_prompt(pool2, model_type):
+    """Greedy tokens of the unpatched model, the clips split over the ranks in the prefill. Qwen2-Audio's and
+    Qwen2.5-Omni's thinker's forwards take no logits_to_keep: generate()'s prefill keeps the global last position."""
+    assert pool2.run(S.generate_after_clips, model_type, timeout=300) == ["same tokens"] * 2
+
+
+def test_cached_forward_without_logits_to_keep_refused(pool2):
+    """A forward with a cache outside generate() on Qwen2-Audio would return each rank's shard of the prompt's
+    logits: refused on every rank, with generate() named."""
+    for message in pool2.run(S.cached_forward_raised, "qwen2_audio", timeout=300):
+        assert "takes no logits_to_keep" in message and "call generate()" in message, message

@@ -10,7 +10,7 @@ from ..attention.step_token import step_token
 from ..checks import BATCH_NAMES, check_same_batch
 from ..distributed.collectives import all_reduce_no_grad
 from ..forward_data import ForwardData
-from ..inference.generate import generation_cache, prepare_decode, return_cache
+from ..inference.generate import LAST_LOGITS, generation_cache, prepare_decode, return_cache
 from ..balance import why_row_layout
 from ..layout import Layout
 from ..work import layer_masks
@@ -79,6 +79,7 @@ class LossHook(ModelHook):
         chunk_setting = check_loss_chunk(kw.pop("hfcp_loss_chunk", st.loss_chunk), "hfcp_loss_chunk")
         token_stats = kw.pop("hfcp_token_stats", False)  # [targets, top-1 hits, entropy sum] (HfcpSFTTrainer's metrics)
         cache = st.fwd.cache = generation_cache(st, module, kw, self.shards)
+        last_only = kw.pop(LAST_LOGITS, False)  # generate() on a model without logits_to_keep: keep the last position
         outer_masks = check_call(kw)
         self._keep, self._chunk = 0, None
         if cache is not None and cache.seen:  # a decode step: its new tokens stay whole
@@ -95,14 +96,15 @@ class LossHook(ModelHook):
         self._place(kw, layout, outer_masks, pairs, cache)
         layout = st.step.layout if st.step is not None else layout  # (balanced over packed documents: hfcp.balance)
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None
-        self._keep = kw.pop("logits_to_keep", 0) or 0
+        self._keep = kw.pop("logits_to_keep", 0) or (1 if last_only else 0)  # (generate() reads [:, -1] only)
         if self._keep:  # the model computes every local position's hidden state; the head keeps the global last ones
-            if (st.head != "causal_lm" or module.get_output_embeddings() is None
-                    or "logits_to_keep" not in forward_parameters(module)):
+            own = "logits_to_keep" in forward_parameters(module)
+            if st.head != "causal_lm" or module.get_output_embeddings() is None or not (own or last_only):
                 raise ValueError(f"logits_to_keep={self._keep} on a {type(module).__name__}, whose forward has no "
                                  "logits_to_keep of its own: hfcp keeps the last positions of a causal LM's logits "
                                  "only; leave it out")
-            kw["logits_to_keep"] = 0
+            if own:
+                kw["logits_to_keep"] = 0
             self._keep_head(module)
         if labels is not None:
             st.fwd.denominator = num_items if num_items is not None else (targets_full != IGNORE_INDEX).sum()

@@ -50,7 +50,8 @@ def generation_cache(state, module, kw: dict, shards: bool) -> ShardedKVCache | 
                          "it makes from the prompt; pass no cache, or an empty DynamicCache (not static, offloaded or "
                          "quantized)")
     parameters = forward_parameters(module)
-    refuse_without_logits_to_keep(type(module).__name__, parameters)
+    if "logits_to_keep" not in parameters and not kw.get(LAST_LOGITS):
+        refuse_without_logits_to_keep(type(module).__name__, parameters)
     name = next((n for n in CACHE_NAMES if n in parameters), CACHE_NAMES[0])
     for n in names:
         kw.pop(n)
@@ -60,12 +61,27 @@ def generation_cache(state, module, kw: dict, shards: bool) -> ShardedKVCache | 
 
 
 def refuse_without_logits_to_keep(name: str, parameters) -> None:
-    """generate() reads the last position's logits: a forward without logits_to_keep would give each rank's own
-    shard's last position. Raises ValueError, on every rank alike, before generating."""
+    """A forward with a cache reads the last position's logits: without logits_to_keep it would give each rank's
+    own shard's last position. Raises ValueError, on every rank alike; generate() on such a model marks its forwards
+    instead (LAST_LOGITS), and its prefill returns the global last position's logits."""
     if "logits_to_keep" not in parameters:
-        raise ValueError(f"hfcp: {name}.forward takes no logits_to_keep, so generate() would read the last position's "
-                         "logits from each rank's shard of the prompt; hfcp does not generate with it: call "
-                         "hfcp.unpatch(model) to generate")
+        raise ValueError(f"hfcp: {name}.forward takes no logits_to_keep, so a forward with a cache would return each "
+                         "rank's shard of the prompt's logits, not the last position's; call generate(), whose prefill "
+                         "hfcp limits to the last position, or hfcp.unpatch(model)")
+
+
+# the keyword generate() adds to the forwards of a model whose forward takes no logits_to_keep: the prompt's prefill
+# returns the logits of the global last position only (what generate() reads), the same on every rank
+LAST_LOGITS = "hfcp_last_logits"
+
+
+def _marking_forwards(model):
+    """model.prepare_inputs_for_generation with LAST_LOGITS added to every forward's inputs, for one generate()."""
+    prepare = model.prepare_inputs_for_generation
+
+    def marked(*args, **kwargs):
+        return {**prepare(*args, **kwargs), LAST_LOGITS: True}
+    return marked
 
 
 def cache_windows(given, module) -> dict[int, int]:
@@ -166,9 +182,14 @@ def wrap_generate(model, group):
                 raise ValueError(f"hfcp: generate({name}=True) on a patched model: each rank holds its shard of the "
                                  f"prompt, so what generate() would return is a rank's shard; leave {name} off (a "
                                  "forward returns hidden states local, for hfcp.gather_sequence)")
-        refuse_without_logits_to_keep(type(model).__name__, inspect.signature(type(model).forward).parameters)
         criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [TokensAgree(group)])
-        return original(*args, stopping_criteria=criteria, **kwargs)
+        if "logits_to_keep" in inspect.signature(type(model).forward).parameters:
+            return original(*args, stopping_criteria=criteria, **kwargs)
+        model.prepare_inputs_for_generation = _marking_forwards(model)  # (for this call: removed after it)
+        try:
+            return original(*args, stopping_criteria=criteria, **kwargs)
+        finally:
+            del model.prepare_inputs_for_generation
 
     generate.__wrapped__ = original
     model.generate = generate
