@@ -46,7 +46,7 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             with a dimension named "cp". Instead of `process_group`.
         balance: "auto" (default): a training forward whose rows hold packed documents (position_ids resets)
             is split so that every rank holds as many tokens and about as much attention work as the others
-            (hfcp.balance); "row": every row zigzag (contiguous for bidirectional models), as one document.
+            (hfcp.layout.balance); "row": every row zigzag (contiguous for bidirectional models), as one document.
 
     A model that transformers loaded tensor-parallel (`tp_plan`, DistributedConfig) keeps its TP: each rank's
     attention sees its TP rank's heads, and the CP groups run across TP groups (hfcp builds them so with

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .attention import STRATEGIES
-from .balance import check_balance
+from .layout.balance import check_balance
 from .distributed.mesh import Mesh, as_timedelta
 from .forward_data import ForwardData
 from .layout import StepBatch

@@ -10,7 +10,7 @@
 2. Emulated ranks: one packed row (tests/test_balance.py's long-tail and one-long workloads, 16K and 32K tokens) at
    cp 2 and 4, laid out by hfcp's planner (balance="auto") and by zigzag (balance="row"). Each rank's tiles against
    every rank's keys (what the ring runs) run one rank after another on the one GPU, forward + backward; per-rank
-   kernel time max / mean beside the counted attention work max / mean (hfcp.work).
+   kernel time max / mean beside the counted attention work max / mean (hfcp.layout.work).
 
 Every step has its own time limit (--step-timeout); a step that fails or runs out of time is reported and the others
 still run. The self-check warnings of the CUDA kernels (a kernel that failed and what runs instead) are printed.
@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_balance import documents, long_tail, one_long  # noqa: E402
 
 from hfcp.attention import blocks, kernels  # noqa: E402
-from hfcp.balance import step_layout  # noqa: E402
+from hfcp.layout.balance import step_layout  # noqa: E402
 from hfcp.layout import Layout, StepBatch, build_step_batch  # noqa: E402
-from hfcp.work import imbalance, position_work, rank_work  # noqa: E402
+from hfcp.layout.work import imbalance, position_work, rank_work  # noqa: E402
 
 FULL = dict(lengths=(8192, 16384, 32768), rows=(16384, 32768), heads=16, kv_heads=4, head_dim=128, repeats=3)
 SMOKE = dict(lengths=(128, 256), rows=(512,), heads=4, kv_heads=2, head_dim=16, repeats=1)

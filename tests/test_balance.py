@@ -1,4 +1,4 @@
-"""The balanced layout for packed rows (hfcp.balance) and the count of attention work it balances (hfcp.work): counted,
+"""The balanced layout for packed rows (hfcp.layout.balance) and the count of attention work it balances (hfcp.layout.work): counted,
 no processes. Per-rank work is checked against a brute-force count over each rank's local indices written here from
 the masks' definitions (documents from position_ids resets, causal, sliding window, attention chunks, key padding)."""
 import math
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hfcp.attention.blocks import MaskSpec
-from hfcp.balance import balanced_layout, plan_ranges, segment_starts
+from hfcp.layout.balance import balanced_layout, plan_ranges, segment_starts
 from hfcp.layout import Layout, build_step_batch, check_plan
-from hfcp.work import imbalance, position_work, rank_work
+from hfcp.layout.work import imbalance, position_work, rank_work
 
 CAUSAL = [(MaskSpec(True, None), 1)]
 

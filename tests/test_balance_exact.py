@@ -1,4 +1,4 @@
-"""balance="auto" is exact: packed rows split per document (hfcp.balance) give the unpatched model's loss, logits
+"""balance="auto" is exact: packed rows split per document (hfcp.layout.balance) give the unpatched model's loss, logits
 (gathered back into the original order) and every gradient, for every strategy at cp 2 and 4."""
 import pytest
 

@@ -77,7 +77,7 @@ class LongTailRows(torch.utils.data.Dataset):
 def trainer_imbalance_run(balance: str) -> dict:
     """HfcpTrainer on a model patched with `balance`, 4 steps of one long-tail packed row, logged every 2 steps: the
     logged (step, cp_imbalance) pairs, the batches of the training forwards (input_ids, position_ids), and how many
-    times the work per query was counted (hfcp.work.query_work)."""
+    times the work per query was counted (hfcp.layout.work.query_work)."""
     import tempfile
 
     from hfcp import work

@@ -11,9 +11,9 @@ from ..checks import BATCH_NAMES, check_same_batch
 from ..distributed.collectives import all_reduce_no_grad
 from ..forward_data import ForwardData
 from ..inference.generate import LAST_LOGITS, generation_cache, prepare_decode, return_cache
-from ..balance import why_row_layout
+from ..layout.balance import why_row_layout
 from ..layout import Layout
-from ..work import layer_masks
+from ..layout.work import layer_masks
 from ..loss.cross_entropy import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_mean
 from ..loss.linear_ce import add_token_stats
 from ..loss.router import global_aux
@@ -94,7 +94,7 @@ class LossHook(ModelHook):
         layout = Layout(x.shape[1], st.mesh.cp_size, zigzag=st.patcher.causal)
         check_length_limit(st.patcher, module.config.get_text_config(), layout)
         self._place(kw, layout, outer_masks, pairs, cache)
-        layout = st.step.layout if st.step is not None else layout  # (balanced over packed documents: hfcp.balance)
+        layout = st.step.layout if st.step is not None else layout  # (balanced over packed documents: hfcp.layout.balance)
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None
         self._keep = kw.pop("logits_to_keep", 0) or (1 if last_only else 0)  # (generate() reads [:, -1] only)
         if self._keep:  # the model computes every local position's hidden state; the head keeps the global last ones

@@ -22,7 +22,7 @@ from transformers import Trainer
 from ..distributed.data import data_parallel_rank_and_size
 from ..distributed.mesh import consecutive_block
 from ..api import patch
-from ..plan_report import step_imbalance
+from ..layout.report import step_imbalance
 from ..state import cp_state, find_pretrained
 from .evaluation import CountedIterable, EvaluationMixin
 from .parallelism import UNSET, accelerate_view, describe, handed_to_accelerate, layout_problems, requested_layout

@@ -15,8 +15,8 @@ from typing import Iterable
 
 import torch
 
-from .attention.blocks import MaskSpec, chunk_ids
-from .layout import Layout, StepBatch
+from ..attention.blocks import MaskSpec, chunk_ids
+from . import Layout, StepBatch
 
 
 def _run_bounds(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +78,7 @@ def step_work(sb: StepBatch, masks: Iterable[tuple[MaskSpec, int]]) -> torch.Ten
 def layer_masks(modules, causal: bool) -> list[tuple[MaskSpec, int]]:
     """(mask, number of layers) of the model's attention modules, as their calls pass it: each module's own
     sliding_window (Gemma, Qwen2), else its config's (Mistral), and its layer's attention chunk (Llama 4)."""
-    from .attention.interface import attention_chunk  # (imports the inference cache, which imports hfcp.state)
+    from ..attention.interface import attention_chunk  # (imports the inference cache, which imports hfcp.state)
 
     counts: dict[MaskSpec, int] = {}
     for m in modules:

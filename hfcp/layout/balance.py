@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Layout, Range, StepBatch
+from . import Layout, Range, StepBatch
 from .work import step_work
 
 LONG_SHARES = (1 / 4, 1 / 8, 1 / 16, 1 / 64, 0.0)  # a segment is long above this share of a rank's mean work
