@@ -105,14 +105,20 @@ def legacy_placeholders_refused() -> str:
     return "nothing raised"
 
 
-def generate_after_clips(model_type: str) -> str:
+def generate_after_clips(model_type: str, lora: bool = False) -> str:
     """Greedy generate() after an audio prompt (three clips, two rows), patched against unpatched: "same tokens",
-    "different tokens" or the ValueError's message."""
+    "different tokens" or the ValueError's message; lora: both under a PEFT LoRA wrapper (its generate() swaps the
+    model's prepare_inputs_for_generation itself)."""
     import hfcp
 
     ref = tiny_audio(model_type).eval()
-    model = copy.deepcopy(ref)
     data = audio_batch(ref)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        ref = get_peft_model(ref, LoraConfig(r=4, init_lora_weights=False, task_type="CAUSAL_LM",
+                                             target_modules=r".*language_model.*q_proj"))
+    model = copy.deepcopy(ref)
     data.pop("labels")
     want = ref.generate(**data, max_new_tokens=6, do_sample=False)
     hfcp.patch(model, process_group=dist.group.WORLD)

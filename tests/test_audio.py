@@ -86,11 +86,13 @@ def test_legacy_placeholders_refused_on_every_rank(pool2):
         assert "merged sequence has" in message and "tokens but input_ids had 48" in message, message
 
 
-@pytest.mark.parametrize("model_type", ["voxtral", "qwen2_audio", "qwen2_5_omni_thinker"])
-def test_generate_after_an_audio_prompt(pool2, model_type):
+@pytest.mark.parametrize("model_type, lora", [("voxtral", False), ("qwen2_audio", False), ("qwen2_audio", True),
+                                              ("qwen2_5_omni_thinker", False)])
+def test_generate_after_an_audio_prompt(pool2, model_type, lora):
     """Greedy tokens of the unpatched model, the clips split over the ranks in the prefill. Qwen2-Audio's and
-    Qwen2.5-Omni's thinker's forwards take no logits_to_keep: generate()'s prefill keeps the global last position."""
-    assert pool2.run(S.generate_after_clips, model_type, timeout=300) == ["same tokens"] * 2
+    Qwen2.5-Omni's thinker's forwards take no logits_to_keep: generate()'s prefill keeps the global last position
+    (also under PEFT, whose generate() swaps the model's prepare_inputs_for_generation around hfcp's)."""
+    assert pool2.run(S.generate_after_clips, model_type, lora, timeout=300) == ["same tokens"] * 2
 
 
 def test_cached_forward_without_logits_to_keep_refused(pool2):

@@ -185,11 +185,15 @@ def wrap_generate(model, group):
         criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [TokensAgree(group)])
         if "logits_to_keep" in inspect.signature(type(model).forward).parameters:
             return original(*args, stopping_criteria=criteria, **kwargs)
-        model.prepare_inputs_for_generation = _marking_forwards(model)  # (for this call: removed after it)
+        own = model.__dict__.get("prepare_inputs_for_generation")  # (PEFT sets one during its generate())
+        model.prepare_inputs_for_generation = _marking_forwards(model)  # (for this call: undone after it)
         try:
             return original(*args, stopping_criteria=criteria, **kwargs)
         finally:
-            del model.prepare_inputs_for_generation
+            if own is None:
+                del model.prepare_inputs_for_generation
+            else:
+                model.prepare_inputs_for_generation = own
 
     generate.__wrapped__ = original
     model.generate = generate
