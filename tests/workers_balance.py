@@ -80,7 +80,7 @@ def trainer_imbalance_run(balance: str) -> dict:
     times the work per query was counted (hfcp.layout.work.query_work)."""
     import tempfile
 
-    from hfcp import work
+    from hfcp.layout import work
     from hfcp.integrations import HfcpTrainer
     from workers_trainer import _args, _reset_accelerate
 
