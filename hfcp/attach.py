@@ -55,6 +55,8 @@ def attach_vlm(state: CPState, inner, plan: Plan) -> None:
     state.undo.append(vlm.clear_layout_after(inner, state))
     if hasattr(inner, "generate"):
         _wrap_generate(state, inner)
+    if state.router_aux is not None and not isinstance(state.router_aux, str):  # the router logits of the merged
+        add_hook(state, inner.base_model, RouterStatsHook(state))  # sequence's tokens, as the outer model reads them
     for path in (plan.patcher.vision_tower, plan.patcher.audio_tower):  # each rank encodes its share of the
         if path:  # images, frames or clips
             tower = inner.get_submodule(path)

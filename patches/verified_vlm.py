@@ -21,6 +21,8 @@ VERIFIED = (
     "ovis2",
     "qianfan_ocr",
     "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_vl_moe",
     "shieldgemma2",
     "video_llava",
 )

@@ -14,7 +14,7 @@ PER_IMAGE_TOWERS = ("clip_vision_model", "siglip_vision_model", "internvl_vision
                     "smolvlm_vision")
 # Qwen-VL towers: patch embedding, attention (cu_seqlens and windows) and position embeddings all within each
 # temporal frame, so a video's frames are split too (one long video shared over the group)
-PER_FRAME_TOWERS = ("qwen2_vl_vision", "qwen2_5_vl_vision", "qwen3_vl_vision",
+PER_FRAME_TOWERS = ("qwen2_vl_vision", "qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision",
                     "qwen3_5_vision", "qwen3_5_moe_vision")  # Qwen3.5: Qwen3-VL's tower without deepstack
 for _tower in PER_IMAGE_TOWERS:
     register_per_image_tower(_tower)

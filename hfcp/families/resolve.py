@@ -274,9 +274,7 @@ def router_aux_for(inner: PreTrainedModel, plan: Plan):
     aux = router_aux_loss(inner)
     if aux is None:
         return None
-    if plan.kind == "vlm":
-        return "hfcp does not compute the router aux loss of a vision-language model yet"
-    if not isinstance(aux, str) and inner.base_model is inner:
+    if not isinstance(aux, str) and inner.base_model is inner:  # (a VLM's: its multimodal base model's output)
         return f"{type(inner).__name__} has no base model whose router logits hfcp can take"
     return aux
 

@@ -26,7 +26,8 @@ from .side_inputs import check_side_inputs, shard_side_inputs, side_input_names
 # other argument is a side input hfcp does not know how to split, and is refused
 LANGUAGE_MODEL_INPUTS = frozenset({"input_ids", "inputs_embeds", "position_ids", "attention_mask", "use_cache",
                                    "cache", "past_key_values", "return_dict", "output_attentions",
-                                   "output_hidden_states", "cache_position", "logits_to_keep"})
+                                   "output_hidden_states", "cache_position", "logits_to_keep",
+                                   "output_router_logits"})  # (an MoE language model's: hfcp's aux loss, loss/router.py)
 
 
 def find_language_model(model, path: str) -> torch.nn.Module | None:
