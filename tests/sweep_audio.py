@@ -194,3 +194,29 @@ def cached_forward_raised(model_type: str) -> str:
     finally:
         hfcp.unpatch(model)
     return "nothing raised"
+
+
+def encoder_called_alone(model_type: str) -> float:
+    """The audio encoder called by itself with its second input positional, as its signature allows (Fun-ASR-Nano:
+    the frame mask, clip 1's last frames masked; Qwen2.5-Omni: feature_lens, clips of 32, 20 and 12 frames
+    concatenated in time), patched against unpatched: the largest difference of its output."""
+    import hfcp
+    from hfcp.families.introspect import audio_config
+    from hfcp.hooks.vlm import module_with_config
+
+    model = tiny_audio(model_type)
+    feats = audio_batch(model)["input_features"]
+    encoder = model.get_submodule(module_with_config(model, audio_config(model.config)))
+    if model_type == "qwen2_5_omni_thinker":  # (clips, mel, frames) -> (mel, valid frames of every clip)
+        valid = torch.arange(feats.shape[-1])[None] < torch.tensor([[32], [20], [12]])
+        feats, second = feats.transpose(1, 2)[valid].T, valid.sum(-1)
+    else:
+        second = torch.ones(feats.shape[:2], dtype=torch.long)
+        second[1, 20:] = 0
+    want = encoder(feats, second).last_hidden_state
+    hfcp.patch(model, process_group=dist.group.WORLD)
+    try:
+        got = encoder(feats, second).last_hidden_state
+    finally:
+        hfcp.unpatch(model)
+    return float((got - want).abs().max())

@@ -57,6 +57,15 @@ def test_each_rank_encodes_its_share_of_the_clips(pool2, model_type, shares):
     assert pool2.run(S.encoder_shares, model_type, timeout=300) == shares
 
 
+@pytest.mark.parametrize("model_type", ["fun_asr_nano", "qwen2_5_omni_thinker"])
+def test_encoder_called_alone_with_positional_inputs(pool2, model_type):
+    """The encoder called by itself (not through the outer forward) on every rank, its second input positional:
+    Fun-ASR-Nano's frame mask is not taken for a Qwen-VL grid_thw, Qwen2.5-Omni's feature_lens is found; the output
+    is the unpatched one."""
+    for error in pool2.run(S.encoder_called_alone, model_type, timeout=300):
+        assert error < 1e-5, error
+
+
 def test_encoder_with_batch_norm_is_not_split(pool2):
     """Batch norm's training statistics are over every clip of the call: a record that splits such an encoder is
     refused at patch time, on every rank."""

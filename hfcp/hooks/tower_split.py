@@ -14,7 +14,8 @@ encoded it: rank r's vision gradient is cp times its images' share (the loss con
 group is the single-device gradient. Activations of the tower for backward are held for a rank's own images only.
 
 Audio encoders (docs/how-to/audio.md) are split the same way, by clips: those called with clips along dim 0
-(Whisper-style encoders, each 30-second window attended alone) take the per-image path; Qwen2.5-Omni's, called with
+(Whisper-style encoders, each 30-second window attended alone) take the per-image path (never the grid one: their
+second input is a mask, not a Qwen-VL grid); Qwen2.5-Omni's, called with
 every clip's frames concatenated along time and a `feature_lens` entry per clip, gives each rank whole clips (as
 equal a count as can be; a rank left without one encodes clip 0 and keeps none of it) and gathers the output rows
 in clip order, each rank's row count exchanged first.
@@ -28,7 +29,8 @@ from ..distributed.collectives import all_gather, all_gather_no_grad
 
 # encoder configs' model_types whose towers encode each image / clip on its own (filled by patches/: model
 # knowledge), with how their inputs hold the items: "items" along dim 0 (or Qwen-VL grids), "frames" (Qwen-VL
-# grids split into temporal frames), "time" (audio clips concatenated along the last dim, lengths in feature_lens).
+# grids split into temporal frames), "clips" (audio clips along dim 0 only), "time" (audio clips concatenated along
+# the last dim, lengths in feature_lens).
 # A record with vision_tower / audio_tower "auto" splits only these, and runs any other tower whole on every rank
 _SPLIT_MODES: dict[str, str] = {}
 
@@ -45,11 +47,11 @@ def register_per_clip_encoder(model_type: str, clips_in_time: bool = False) -> N
     and normalisation within a clip: no batch statistics), so that hfcp may split their clips over the CP group;
     clips_in_time: the encoder takes every clip's frames concatenated along its input's last dim with one
     `feature_lens` entry per clip and returns rows per clip in clip order (Qwen2.5-Omni's); else clips along dim 0."""
-    _SPLIT_MODES[model_type] = "time" if clips_in_time else "items"
+    _SPLIT_MODES[model_type] = "time" if clips_in_time else "clips"
 
 
 def split_mode(config) -> str | None:
-    """How hfcp splits a tower of this encoder config ("items", "frames", "time"), or None: it runs whole."""
+    """How hfcp splits a tower of this encoder config ("items", "frames", "clips", "time"), or None: it runs whole."""
     return _SPLIT_MODES.get(getattr(config, "model_type", None))
 
 
@@ -88,8 +90,8 @@ class TowerSplitHook(ModelHook):
         self._keeps = None
         if self.mode == "time":
             return self._split_time(module, args, kwargs)
-        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
-        if isinstance(grid, torch.Tensor):
+        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)  # (an audio encoder's: its mask)
+        if isinstance(grid, torch.Tensor) and self.mode != "clips":
             return self._split_patches(module, args, kwargs, grid)
         self._grid = None
         cp, rank = self.state.mesh.cp_size, self.state.mesh.cp_rank
@@ -160,7 +162,7 @@ class TowerSplitHook(ModelHook):
         """Qwen2.5-Omni: (mel, frames) of every clip concatenated, feature_lens (n,); each rank takes whole clips."""
         cp, rank = self.state.mesh.cp_size, self.state.mesh.cp_rank
         feats = args[0] if args else kwargs.get("input_features")
-        lens = kwargs.get("feature_lens")
+        lens = kwargs.get("feature_lens", args[1] if len(args) > 1 else None)
         if not isinstance(lens, torch.Tensor) or not isinstance(feats, torch.Tensor) or lens.dim() != 1 \
                 or int(lens.sum()) != feats.shape[-1]:
             raise ValueError(f"{type(module).__name__}: hfcp splits this encoder's clips by feature_lens, one length "
