@@ -49,6 +49,13 @@ def compare_mixed(model_type: str, strategy: str, side: str = "left") -> dict:
     return _compare(lambda: copy.deepcopy(built), lambda m: mixed_audio_batch(m, side=side), strategy)
 
 
+def compare_valid(model_type: str, strategy: str) -> dict:
+    """audio_batch's three clips with 32, 20 and 12 valid frames of 32, the rest masked (clips of different lengths
+    padded by the processor): _compare's result."""
+    built = tiny_audio(model_type)
+    return _compare(lambda: copy.deepcopy(built), lambda m: audio_batch(m, valid=[32, 20, 12]), strategy)
+
+
 def compare_omni(strategy: str) -> dict:
     """Qwen2.5-Omni's thinker with images and clips in the same rows (omni_batch): _compare's result, and the patch
     rows the vision tower embedded in each call (the batch's own, the unpatched forward's, the patched one's)."""
@@ -131,6 +138,29 @@ def generate_after_clips(model_type: str, lora: bool = False) -> str:
     return "same tokens" if torch.equal(got, want) else "different tokens"
 
 
+def generate_with_cache_after_clips(model_type: str) -> tuple[bool, int]:
+    """generate_after_clips with use_cache=True (hfcp's sharded cache; the tiny configs have it off): (the unpatched
+    model's tokens, how many times the patched model's audio encoder ran)."""
+    import hfcp
+    from hfcp.families.introspect import audio_config
+    from hfcp.hooks.vlm import module_with_config
+
+    ref = tiny_audio(model_type).eval()
+    model = copy.deepcopy(ref)
+    data = audio_batch(ref)
+    data.pop("labels")
+    calls = []
+    model.get_submodule(module_with_config(model, audio_config(model.config))).register_forward_pre_hook(
+        lambda module, args: calls.append(1))
+    want = ref.generate(**data, max_new_tokens=6, do_sample=False, use_cache=True)
+    hfcp.patch(model, process_group=dist.group.WORLD)
+    try:
+        got = model.generate(**data, max_new_tokens=6, do_sample=False, use_cache=True)
+    finally:
+        hfcp.unpatch(model)
+    return torch.equal(got, want), len(calls)
+
+
 def encoder_shares(model_type: str) -> list[int]:
     """The clips (indices into the batch's three) that this rank's audio encoder was given in a patched forward,
     found by matching its input to each clip's frames."""
@@ -199,7 +229,8 @@ def cached_forward_raised(model_type: str) -> str:
 def encoder_called_alone(model_type: str) -> float:
     """The audio encoder called by itself with its second input positional, as its signature allows (Fun-ASR-Nano:
     the frame mask, clip 1's last frames masked; Qwen2.5-Omni: feature_lens, clips of 32, 20 and 12 frames
-    concatenated in time), patched against unpatched: the largest difference of its output."""
+    concatenated in time), with output_hidden_states=True, patched against unpatched: the largest difference of its
+    output and of every layer's hidden states (Qwen2.5-Omni's: rows of frames, more than the output's)."""
     import hfcp
     from hfcp.families.introspect import audio_config
     from hfcp.hooks.vlm import module_with_config
@@ -213,10 +244,12 @@ def encoder_called_alone(model_type: str) -> float:
     else:
         second = torch.ones(feats.shape[:2], dtype=torch.long)
         second[1, 20:] = 0
-    want = encoder(feats, second).last_hidden_state
+    want = encoder(feats, second, output_hidden_states=True)
     hfcp.patch(model, process_group=dist.group.WORLD)
     try:
-        got = encoder(feats, second).last_hidden_state
+        got = encoder(feats, second, output_hidden_states=True)
     finally:
         hfcp.unpatch(model)
-    return float((got - want).abs().max())
+    pairs = list(zip((want.last_hidden_state, *want.hidden_states), (got.last_hidden_state, *got.hidden_states)))
+    assert len(want.hidden_states) == len(got.hidden_states) and all(a.shape == b.shape for a, b in pairs), pairs
+    return max(float((b - a).abs().max()) for a, b in pairs)

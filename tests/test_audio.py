@@ -48,6 +48,21 @@ def test_text_row_beside_clips_cp4(pool4, model_type):
         assert r["result"] == "exact", r
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_audio", "fun_asr_nano", "qwen2_5_omni_thinker"])
+def test_clips_of_different_lengths_cp2(pool2, model_type):
+    """Clips padded to one length with frames masked at the end of two of them: each rank's share of the per-clip
+    masks (Qwen2-Audio's 4-D one, Fun-ASR-Nano's frame mask) goes with its clips; Qwen2.5-Omni's valid frames are
+    concatenated with one length per clip."""
+    for r in pool2.run(S.compare_valid, model_type, "ring", timeout=300):
+        assert r["result"] == "exact", r
+
+
+def test_clips_of_different_lengths_cp4(pool4):
+    """Three clips of different lengths over four ranks (Qwen2.5-Omni: rank 3 encodes a stand-in)."""
+    for r in pool4.run(S.compare_valid, "qwen2_5_omni_thinker", "allgather", timeout=300):
+        assert r["result"] == "exact", r
+
+
 @pytest.mark.parametrize("model_type, shares", [
     ("qwen2_audio", [[0, 1], [2, 0]]),  # clips along dim 0: ceil(3 / 2) each, the last share padded with clip 0
     ("fun_asr_nano", [[0, 1], [2, 0]]),
@@ -61,7 +76,7 @@ def test_each_rank_encodes_its_share_of_the_clips(pool2, model_type, shares):
 def test_encoder_called_alone_with_positional_inputs(pool2, model_type):
     """The encoder called by itself (not through the outer forward) on every rank, its second input positional:
     Fun-ASR-Nano's frame mask is not taken for a Qwen-VL grid_thw, Qwen2.5-Omni's feature_lens is found; the output
-    is the unpatched one."""
+    and every layer's hidden states are the unpatched ones."""
     for error in pool2.run(S.encoder_called_alone, model_type, timeout=300):
         assert error < 1e-5, error
 
@@ -109,3 +124,10 @@ def test_cached_forward_without_logits_to_keep_refused(pool2):
     logits: refused on every rank, with generate() named."""
     for message in pool2.run(S.cached_forward_raised, "qwen2_audio", timeout=300):
         assert "takes no logits_to_keep" in message and "call generate()" in message, message
+
+
+@pytest.mark.parametrize("model_type", ["voxtral", "fun_asr_nano", "qwen2_audio"])
+def test_generate_with_the_cache_after_an_audio_prompt(pool2, model_type):
+    """With the cache (hfcp's, sharded): the unpatched model's tokens, and the encoder runs once, in the prefill
+    (its clips split there), never in the decode steps."""
+    assert pool2.run(S.generate_with_cache_after_clips, model_type, timeout=300) == [(True, 1)] * 2

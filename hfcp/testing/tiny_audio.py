@@ -100,26 +100,27 @@ def _mask_name(model) -> str | None:
     return next((n for n in ("feature_attention_mask", "input_features_mask") if _accepts(model, n)), None)
 
 
-def _clip_variants(model, clips: int) -> list[dict]:
+def _clip_variants(model, clips: int, valid=None) -> list[dict]:
     """`clips` clips as forwards take them: (clips, mel bins, FRAMES) input_features, or (clips, FRAMES, feature
     dims); without a mask (every frame valid), then with the mask of each clip's valid frames where the forward
-    takes one."""
+    takes one (valid: the valid frames of each clip, the rest masked at the end: only the forms with a mask)."""
     g = torch.Generator().manual_seed(4 + clips)
     audio = audio_config(model.config)
     mels = getattr(audio, "num_mel_bins", None) or getattr(audio, "input_dim", None) or audio.input_size
-    valid = torch.ones(clips, FRAMES, dtype=torch.long)
-    masks = {n: valid for n in ("feature_attention_mask", "input_features_mask", "padding_mask") if _accepts(model, n)}
+    mask = (torch.arange(FRAMES)[None] < torch.tensor(valid or [FRAMES] * clips)[:, None]).long()
+    masks = {n: mask for n in ("feature_attention_mask", "input_features_mask", "padding_mask") if _accepts(model, n)}
     feats = torch.randn(clips, mels, FRAMES, generator=g)
     stacked = torch.randn(clips, FRAMES, mels * getattr(audio, "num_stacked_frames", 1), generator=g)  # (frames
     # stacked into one feature vector, as low-frame-rate features are)
     forms = [feats, feats.transpose(1, 2).contiguous(), stacked]
-    return [{"input_features": f} for f in forms] + [{"input_features": f, **masks} for f in forms if masks]
+    bare = [{"input_features": f} for f in forms] if valid is None else []
+    return bare + [{"input_features": f, **masks} for f in forms if masks]
 
 
-def _clip_inputs(model, clips: int) -> tuple[dict, list[int]]:
+def _clip_inputs(model, clips: int, valid=None) -> tuple[dict, list[int]]:
     """The first form of `clips` clips that the model's audio features accept, and each clip's token count."""
     errors = []
-    for inputs in _clip_variants(model, clips):
+    for inputs in _clip_variants(model, clips, valid):
         try:
             return inputs, clip_tokens(model, inputs)
         except Exception as e:  # noqa: BLE001 - try the next form
@@ -144,11 +145,10 @@ def clip_tokens(model, inputs: dict) -> list[int]:
     clips = inputs["input_features"].shape[0]
     if isinstance(feats, torch.Tensor) and feats.dim() == 3 and feats.shape[0] == clips:
         return [feats.shape[1]] * clips  # (every frame of every clip is valid)
-    if isinstance(feats, torch.Tensor):  # (total tokens, hidden): equal clips
-        total = feats.reshape(-1, feats.shape[-1]).shape[0]
-        if total % clips:
-            raise ValueError(f"{total} audio feature rows for {clips} clips")
-        return [total // clips] * clips
+    if isinstance(feats, torch.Tensor) and clips > 1:  # (total tokens, hidden): each clip's from it alone
+        return [clip_tokens(model, {k: v[i:i + 1] for k, v in inputs.items()})[0] for i in range(clips)]
+    if isinstance(feats, torch.Tensor):
+        return [feats.reshape(-1, feats.shape[-1]).shape[0]]
     return [f.reshape(-1, f.shape[-1]).shape[0] for f in feats]
 
 
@@ -161,14 +161,15 @@ def text_batch(model, length: int = 48, rows: int = 2) -> dict:
     return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
 
 
-def audio_batch(model, length: int = 48) -> dict:
+def audio_batch(model, length: int = 48, valid=None) -> dict:
     """Two rows of text, one clip in row 0 early and two in row 1, the second across the middle (where the zigzag
-    layout cuts); the rows grow to fit the clips' tokens, read from the model.
+    layout cuts); the rows grow to fit the clips' tokens, read from the model. valid: each clip's valid frames (of
+    FRAMES), the rest masked at its end, as a processor pads clips of different lengths.
 
     Raises:
-        ValueError: the model's audio features do not take such clips.
+        ValueError: the model's audio features do not take such clips (or no frame mask where `valid` is given).
     """
-    inputs, n = _clip_inputs(model, 3)
+    inputs, n = _clip_inputs(model, 3, valid)
     L = max(length, 2 * n[1] + n[2] + 12)
     out = text_batch(model, L)
     ids = out["input_ids"]
