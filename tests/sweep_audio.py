@@ -253,3 +253,32 @@ def encoder_called_alone(model_type: str) -> float:
     pairs = list(zip((want.last_hidden_state, *want.hidden_states), (got.last_hidden_state, *got.hidden_states)))
     assert len(want.hidden_states) == len(got.hidden_states) and all(a.shape == b.shape for a, b in pairs), pairs
     return max(float((b - a).abs().max()) for a, b in pairs)
+
+
+def unlike_outputs_refused() -> str:
+    """Fun-ASR-Nano's encoder made to trim its output to the longest valid clip of its call (an encoder registered
+    as encoding each clip alone whose output depends on the other clips), called by itself on clips of 12, 32 and
+    20 valid frames: each rank's output has another length (32 and 20). What the patched call raised."""
+    import hfcp
+    from hfcp.families.introspect import audio_config
+    from hfcp.hooks.vlm import module_with_config
+
+    model = tiny_audio("fun_asr_nano")
+    data = audio_batch(model, valid=[12, 32, 20])
+    encoder = model.get_submodule(module_with_config(model, audio_config(model.config)))
+    whole = encoder.forward
+
+    def trimmed(*args, **kwargs):
+        out = whole(*args, **kwargs)
+        out.last_hidden_state = out.last_hidden_state[:, :int(kwargs["input_features_mask"].sum(-1).max())]
+        return out
+
+    encoder.forward = trimmed  # (before hfcp's hook, which calls it)
+    hfcp.patch(model, process_group=dist.group.WORLD)
+    try:
+        encoder(input_features=data["input_features"], input_features_mask=data["input_features_mask"])
+    except ValueError as e:
+        return str(e)
+    finally:
+        hfcp.unpatch(model)
+    return "nothing raised"

@@ -81,6 +81,14 @@ def test_encoder_called_alone_with_positional_inputs(pool2, model_type):
         assert error < 1e-5, error
 
 
+def test_encoder_with_outputs_unlike_over_ranks_raises_on_every_rank(pool2):
+    """An encoder registered for splitting whose output's shape depends on the other clips of its call (trimmed to
+    the longest valid one): each rank's differs, and the gather would abort gloo (read past the data on NCCL);
+    hfcp compares the shapes first and raises on every rank."""
+    for message in pool2.run(S.unlike_outputs_refused, timeout=300):
+        assert "FunAsrNanoEncoder returned tensors of shapes" in message and "without splitting" in message, message
+
+
 def test_encoder_with_batch_norm_is_not_split(pool2):
     """Batch norm's training statistics are over every clip of the call: a record that splits such an encoder is
     refused at patch time, on every rank."""

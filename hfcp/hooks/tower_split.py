@@ -22,6 +22,8 @@ in clip order, each rank's row count exchanged first.
 """
 from __future__ import annotations
 
+import zlib
+
 import torch
 from accelerate.hooks import ModelHook
 
@@ -196,13 +198,35 @@ class TowerSplitHook(ModelHook):
         every = all_gather(padded, group, 0)  # (cp * longest, ...)
         return torch.cat([every[r * longest:r * longest + kept] for r, (_, kept) in enumerate(sizes)])
 
+    def _check_alike(self, module, output) -> None:
+        """Raise on every rank unless every rank's tower returned as many tensors of the same shapes (past dim 0 where
+        ranks hold different row counts): gathering unlike shapes aborts gloo and reads past the data on NCCL."""
+        values = output.values() if hasattr(output, "keys") else output
+        tensors = [t for v in values for t in (v if isinstance(v, (tuple, list)) else (v,))
+                   if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return
+        rows_differ = self._keeps is not None or self._grid is not None
+        shapes = [tuple(t.shape[1:] if rows_differ else t.shape) for t in tensors]
+        mine = torch.tensor([[len(shapes), zlib.crc32(repr(shapes).encode())]], device=tensors[0].device)
+        every = all_gather_no_grad(mine, self.state.mesh.cp_group, 0)  # (cp, 2)
+        if not bool((every == mine).all()):
+            raise ValueError(f"{type(module).__name__} returned tensors of shapes {shapes} on CP rank "
+                             f"{self.state.mesh.cp_rank} and others on other ranks{' (past dim 0)' * rows_differ}: "
+                             "hfcp splits only towers whose outputs are per image or clip, each alike whatever the "
+                             "others are; register this one without splitting (it then runs whole on every rank)")
+
     def post_forward(self, module, output):
         n, k = self._n, self._k
         group = self.state.mesh.cp_group
+        self._check_alike(module, output)
 
         def gather(t):
+            if self._keeps is not None and isinstance(t, torch.Tensor) and t.dim() == 0:
+                raise ValueError(f"{type(module).__name__} returned a 0-dim tensor: hfcp splits only encoders whose "
+                                 "outputs are rows per clip, in clip order")
             if self._keeps is not None:
-                return self._gather_rows(t) if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+                return self._gather_rows(t) if isinstance(t, torch.Tensor) else t
             if self._grid is not None:
                 return self._gather_patches(module, t) if isinstance(t, torch.Tensor) else t
             if not isinstance(t, torch.Tensor):
