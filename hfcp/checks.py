@@ -19,7 +19,10 @@ BATCH_NAMES = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "
                "shift_labels", "num_items_in_batch", "ignore_index", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx",
                # vision-language models: what the outer model encodes and merges on every rank
                "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
-               "mm_token_type_ids", "second_per_grid_ts")
+               "mm_token_type_ids", "second_per_grid_ts",
+               # audio-language and omni models: the clips, their frame masks and lengths
+               "input_features", "feature_attention_mask", "input_features_mask", "padding_mask",
+               "audio_feature_lengths", "video_second_per_grid", "use_audio_in_video")
 _BLOCK = 1 << 18  # words per weighted block
 _MASK64 = (1 << 64) - 1
 

@@ -282,3 +282,22 @@ def unlike_outputs_refused() -> str:
     finally:
         hfcp.unpatch(model)
     return "nothing raised"
+
+
+def other_clips_refused(model_type: str, name: str) -> str:
+    """Rank 1 of the CP group given other values of the batch's `name` (its own audio augmentation, say), shapes
+    alike: what the patched forward raised."""
+    import hfcp
+
+    model = tiny_audio(model_type)
+    data = audio_batch(model, valid=[32, 20, 12] if name != "input_features" else None)
+    if dist.get_rank() == 1:
+        data[name] = data[name] + 0.1 if data[name].is_floating_point() else data[name].flip(0)
+    hfcp.patch(model, process_group=dist.group.WORLD)
+    try:
+        model(**data)
+    except ValueError as e:
+        return str(e)
+    finally:
+        hfcp.unpatch(model)
+    return "nothing raised"

@@ -89,6 +89,16 @@ def test_encoder_with_outputs_unlike_over_ranks_raises_on_every_rank(pool2):
         assert "FunAsrNanoEncoder returned tensors of shapes" in message and "without splitting" in message, message
 
 
+@pytest.mark.parametrize("model_type, name", [("qwen2_audio", "input_features"),
+                                              ("qwen2_5_omni_thinker", "feature_attention_mask"),
+                                              ("fun_asr_nano", "input_features_mask")])
+def test_ranks_with_other_clips_are_refused(pool2, model_type, name):
+    """Every rank of a CP group must get the same batch: clips or frame masks that differ on one rank (each rank
+    would encode its share of its own clips, and merge a mixture) are refused on every rank, as other pixels are."""
+    for message in pool2.run(S.other_clips_refused, model_type, name, timeout=300):
+        assert f"got different batches ({name})" in message, message
+
+
 def test_encoder_with_batch_norm_is_not_split(pool2):
     """Batch norm's training statistics are over every clip of the call: a record that splits such an encoder is
     refused at patch time, on every rank."""
