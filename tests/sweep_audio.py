@@ -68,19 +68,13 @@ def compare_omni(strategy: str) -> dict:
     return {**result, "patch_rows": rows}
 
 
-def placeholder_mismatch_raised(model_type: str) -> str:
-    """A batch with one audio placeholder too few for its clips' features, patched: what the forward raised (the
-    model's own check, after hfcp's encoder split exchanged the features on every rank)."""
+def _raised_patched(model, call) -> str:
+    """What call() raised (a ValueError's message) with `model` patched over every process, or "nothing raised"."""
     import hfcp
-    from hfcp.testing.tiny_audio import AUDIO
 
-    model = tiny_audio(model_type)
-    data = audio_batch(model)
-    first = int((data["input_ids"][0] == AUDIO).nonzero()[0])
-    data["input_ids"][0, first] = 5
     hfcp.patch(model, process_group=dist.group.WORLD)
     try:
-        model(**data)
+        call()
     except ValueError as e:
         return str(e)
     finally:
@@ -88,10 +82,21 @@ def placeholder_mismatch_raised(model_type: str) -> str:
     return "nothing raised"
 
 
+def placeholder_mismatch_raised(model_type: str) -> str:
+    """A batch with one audio placeholder too few for its clips' features, patched: what the forward raised (the
+    model's own check, after hfcp's encoder split exchanged the features on every rank)."""
+    from hfcp.testing.tiny_audio import AUDIO
+
+    model = tiny_audio(model_type)
+    data = audio_batch(model)
+    first = int((data["input_ids"][0] == AUDIO).nonzero()[0])
+    data["input_ids"][0, first] = 5
+    return _raised_patched(model, lambda: model(**data))
+
+
 def legacy_placeholders_refused() -> str:
     """Qwen2-Audio's legacy form (one placeholder per clip, expanded inside the model): what the patched forward
     raised (the unpatched one runs)."""
-    import hfcp
     from hfcp.testing.tiny_audio import AUDIO
 
     model = tiny_audio("qwen2_audio")
@@ -102,14 +107,7 @@ def legacy_placeholders_refused() -> str:
         ids[row] = torch.where((ids[row] == AUDIO) & ~run, 5, ids[row])
     data.pop("labels")  # (transformers' legacy path fails with labels: its config has no ignore_index)
     model(**data, use_cache=False)  # transformers' own legacy expansion runs
-    hfcp.patch(model, process_group=dist.group.WORLD)
-    try:
-        model(**data)
-    except ValueError as e:
-        return str(e)
-    finally:
-        hfcp.unpatch(model)
-    return "nothing raised"
+    return _raised_patched(model, lambda: model(**data))
 
 
 def generate_after_clips(model_type: str, lora: bool = False) -> str:
@@ -259,7 +257,6 @@ def unlike_outputs_refused() -> str:
     """Fun-ASR-Nano's encoder made to trim its output to the longest valid clip of its call (an encoder registered
     as encoding each clip alone whose output depends on the other clips), called by itself on clips of 12, 32 and
     20 valid frames: each rank's output has another length (32 and 20). What the patched call raised."""
-    import hfcp
     from hfcp.families.introspect import audio_config
     from hfcp.hooks.vlm import module_with_config
 
@@ -274,30 +271,16 @@ def unlike_outputs_refused() -> str:
         return out
 
     encoder.forward = trimmed  # (before hfcp's hook, which calls it)
-    hfcp.patch(model, process_group=dist.group.WORLD)
-    try:
-        encoder(input_features=data["input_features"], input_features_mask=data["input_features_mask"])
-    except ValueError as e:
-        return str(e)
-    finally:
-        hfcp.unpatch(model)
-    return "nothing raised"
+    return _raised_patched(model, lambda: encoder(input_features=data["input_features"],
+                                                  input_features_mask=data["input_features_mask"]))
 
 
 def other_clips_refused(model_type: str, name: str) -> str:
     """Rank 1 of the CP group given other values of the batch's `name` (its own audio augmentation, say), shapes
     alike: what the patched forward raised."""
-    import hfcp
 
     model = tiny_audio(model_type)
     data = audio_batch(model, valid=[32, 20, 12] if name != "input_features" else None)
     if dist.get_rank() == 1:
         data[name] = data[name] + 0.1 if data[name].is_floating_point() else data[name].flip(0)
-    hfcp.patch(model, process_group=dist.group.WORLD)
-    try:
-        model(**data)
-    except ValueError as e:
-        return str(e)
-    finally:
-        hfcp.unpatch(model)
-    return "nothing raised"
+    return _raised_patched(model, lambda: model(**data))
