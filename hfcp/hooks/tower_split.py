@@ -1,4 +1,5 @@
-"""A VLM's vision tower with its work split over the CP group (docs/how-to/vision-language.md).
+"""A VLM's vision tower, or an audio encoder, with its work split over the CP group (docs/how-to/vision-language.md,
+docs/how-to/audio.md).
 
 Towers of two kinds: those called with images along dim 0 (CLIP, SigLIP, InternViT), and Qwen-VL's, called with
 every image's patches as one (patches, D) sequence and a `grid_thw` row per image (attention stays within each image,
@@ -15,10 +16,13 @@ group is the single-device gradient. Activations of the tower for backward are h
 
 Audio encoders (docs/how-to/audio.md) are split the same way, by clips: those called with clips along dim 0
 (Whisper-style encoders, each 30-second window attended alone) take the per-image path (never the grid one: their
-second input is a mask, not a Qwen-VL grid); Qwen2.5-Omni's, called with
-every clip's frames concatenated along time and a `feature_lens` entry per clip, gives each rank whole clips (as
-equal a count as can be; a rank left without one encodes clip 0 and keeps none of it) and gathers the output rows
-in clip order, each rank's row count exchanged first.
+second input is a mask, not a Qwen-VL grid); Qwen2.5-Omni's, called with every clip's frames concatenated along time
+and a `feature_lens` entry per clip, gives each rank whole clips (as equal a count as can be; a rank left without
+one encodes clip 0 and keeps none of it) and gathers the output rows in clip order, each rank's row count exchanged
+first.
+
+Before any gather, the ranks compare the shapes of what their tower returned (past dim 0 where row counts differ):
+a tower registered for splitting whose outputs depend on the other items of its call raises on every rank.
 """
 from __future__ import annotations
 
@@ -80,7 +84,8 @@ def _is_per_image(v, n: int) -> bool:
 
 
 class TowerSplitHook(ModelHook):
-    """pre_forward: this rank's share of the images; post_forward: every image's outputs, gathered."""
+    """pre_forward: this rank's share of the images (or frames, or clips); post_forward: every one's outputs,
+    gathered. mode: split_mode's value for the tower's config."""
 
     def __init__(self, state, mode: str = "items"):
         self.state, self.mode, self.frames_alone = state, mode, mode == "frames"
