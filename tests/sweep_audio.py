@@ -228,7 +228,8 @@ def encoder_called_alone(model_type: str) -> float:
     """The audio encoder called by itself with its second input positional, as its signature allows (Fun-ASR-Nano:
     the frame mask, clip 1's last frames masked; Qwen2.5-Omni: feature_lens, clips of 32, 20 and 12 frames
     concatenated in time), with output_hidden_states=True, patched against unpatched: the largest difference of its
-    output and of every layer's hidden states (Qwen2.5-Omni's: rows of frames, more than the output's)."""
+    output and of every layer's hidden states (Qwen2.5-Omni's: rows of frames, more than the output's), and of the
+    output of the encoder made to return a bare tensor."""
     import hfcp
     from hfcp.families.introspect import audio_config
     from hfcp.hooks.vlm import module_with_config
@@ -243,12 +244,18 @@ def encoder_called_alone(model_type: str) -> float:
         second = torch.ones(feats.shape[:2], dtype=torch.long)
         second[1, 20:] = 0
     want = encoder(feats, second, output_hidden_states=True)
+    whole = encoder.forward
     hfcp.patch(model, process_group=dist.group.WORLD)
     try:
         got = encoder(feats, second, output_hidden_states=True)
+        hfcp.unpatch(model)
+        encoder.forward = lambda *args: whole(*args).last_hidden_state  # a tower that returns a bare tensor
+        hfcp.patch(model, process_group=dist.group.WORLD)
+        bare = encoder(feats, second)
     finally:
         hfcp.unpatch(model)
-    pairs = list(zip((want.last_hidden_state, *want.hidden_states), (got.last_hidden_state, *got.hidden_states)))
+    pairs = list(zip((want.last_hidden_state, want.last_hidden_state, *want.hidden_states),
+                     (got.last_hidden_state, bare, *got.hidden_states)))
     assert len(want.hidden_states) == len(got.hidden_states) and all(a.shape == b.shape for a, b in pairs), pairs
     return max(float((b - a).abs().max()) for a, b in pairs)
 

@@ -76,7 +76,8 @@ def test_each_rank_encodes_its_share_of_the_clips(pool2, model_type, shares):
 def test_encoder_called_alone_with_positional_inputs(pool2, model_type):
     """The encoder called by itself (not through the outer forward) on every rank, its second input positional:
     Fun-ASR-Nano's frame mask is not taken for a Qwen-VL grid_thw, Qwen2.5-Omni's feature_lens is found; the output
-    and every layer's hidden states are the unpatched ones."""
+    and every layer's hidden states are the unpatched ones, and so is the output of an encoder that returns a bare
+    tensor."""
     for error in pool2.run(S.encoder_called_alone, model_type, timeout=300):
         assert error < 1e-5, error
 

@@ -206,7 +206,8 @@ class TowerSplitHook(ModelHook):
     def _check_alike(self, module, output) -> None:
         """Raise on every rank unless every rank's tower returned as many tensors of the same shapes (past dim 0 where
         ranks hold different row counts): gathering unlike shapes aborts gloo and reads past the data on NCCL."""
-        values = output.values() if hasattr(output, "keys") else output
+        values = (output,) if isinstance(output, torch.Tensor) else output.values() if hasattr(output, "keys") \
+            else output
         tensors = [t for v in values for t in (v if isinstance(v, (tuple, list)) else (v,))
                    if isinstance(t, torch.Tensor)]
         if not tensors:
@@ -244,6 +245,8 @@ class TowerSplitHook(ModelHook):
         def each(v):  # a tuple or list of tensors (hidden states per layer, Qwen3-VL's deepstack features)
             return type(v)(gather(x) for x in v) if isinstance(v, (tuple, list)) else gather(v)
 
+        if isinstance(output, torch.Tensor):
+            return gather(output)
         if isinstance(output, tuple) and not hasattr(output, "keys"):
             return tuple(each(v) for v in output)
         for name, v in list(output.items()):
