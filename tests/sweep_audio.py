@@ -209,19 +209,10 @@ def batch_norm_encoder_refused() -> str:
 
 def cached_forward_raised(model_type: str) -> str:
     """A forward with use_cache=True (not generate()) on the patched model: what it raised."""
-    import hfcp
-
     model = tiny_audio(model_type).eval()
     data = audio_batch(model)
     data.pop("labels")
-    hfcp.patch(model, process_group=dist.group.WORLD)
-    try:
-        model(**data, use_cache=True)
-    except ValueError as e:
-        return str(e)
-    finally:
-        hfcp.unpatch(model)
-    return "nothing raised"
+    return _raised_patched(model, lambda: model(**data, use_cache=True))
 
 
 def encoder_called_alone(model_type: str) -> float:
