@@ -48,3 +48,12 @@ def test_balanced_softcaps(pool2):
     transformers' own GPT-OSS lets packed documents attend across each other, under either layout.)"""
     for r in pool2.run(WB.family_exact, "gemma2", "ring", DOCS_29):
         assert r["balanced"] and r["loss"] < 1e-5 and r["logits"] < 1e-5 and r["grad"] < 1e-4, r
+
+
+def test_sequence_outputs_of_packed_rows(pool2):
+    """A classifier's last-token score, logits_to_keep, hfcp.sequence_logps and gathered hidden states read each
+    document where the balanced layout placed it (documents out of order on the ranks)."""
+    for r in pool2.run(WB.sequence_outputs_exact, DOCS_29):
+        assert r["classifier balanced"] and r["causal lm balanced"], r
+        assert all(v < 1e-5 for k, v in r.items() if k.endswith(("loss", "outputs"))), r
+        assert r["classifier grad"] < 1e-4 and r["causal lm grad"] < 1e-4, r

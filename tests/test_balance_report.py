@@ -83,6 +83,17 @@ def test_bad_arguments_are_refused(kwargs, message):
         hfcp.balance_report(tiny_model("llama"), cp_size=2, position_ids=PACKED)
 
 
+@pytest.mark.parametrize("ids, message", [
+    (torch.zeros(96, dtype=torch.long), "input_ids has shape \\(96,\\); hfcp needs \\(batch, seq\\)"),
+    (torch.zeros(0, 96, dtype=torch.long), "a batch of no rows"),
+    (torch.zeros(1, 0, dtype=torch.long), "input_ids has shape \\(1, 0\\): no tokens"),
+])
+def test_a_batch_the_forward_refuses_is_refused(ids, message):
+    """The same checks of the batch's shape as the patched forward's, not an IndexError or a report of nothing."""
+    with pytest.raises(ValueError, match=message):
+        hfcp.balance_report(tiny_model("llama"), cp_size=2, input_ids=ids)
+
+
 def test_report_reads_a_patched_models_settings(pool2):
     """A patched model: its cp_size, strategy and balance setting, no cp_size= needed; the counts are those of the
     unpatched report."""

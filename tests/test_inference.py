@@ -81,7 +81,8 @@ def test_a_generation_continued_from_its_cache(pool2):
     ("static_cache", "a StaticCache holding 0 tokens on a patched model"),
     ("differing_prompts", "ranks of one CP group got different batches (input_ids)"),
     ("max_time", "would stop each rank of a CP group by its own clock"),
-    ("unshared_seed", "the ranks of a CP group chose different tokens")])
+    ("unshared_seed", "the ranks of a CP group chose different tokens"),
+    ("packed_prompt", "a prompt of packed documents (position_ids that restart inside a row) with a KV cache")])
 def test_generation_hfcp_cannot_do_is_refused_on_every_rank(pool2, case, message):
     for msg in pool2.run(W.generate_refusal, case):
         assert message in msg, msg

@@ -65,6 +65,7 @@ def test_refusals_on_every_rank(pool2):
         assert "values other than 0 and 1" in r["weights"], r
         assert "input_ids has shape (20,); hfcp needs (batch, seq)" in r["1-d input_ids"], r
         assert "(0, 20): a batch of no rows" in r["no rows"] and "a batch of no rows" in r["no rows logps"], r
+        assert "(2, 0): no tokens" in r["no tokens"], r
         assert "different batches (logps labels)" in r["different labels"], r
         assert r["after"] == [16, 16], r  # no rank left behind in a collective
         assert "find_unused_parameters=False" in r["ddp find_unused=True"], r

@@ -112,3 +112,55 @@ def assert_imbalance_logged(runs: list[dict], reference: dict) -> None:
         assert got["imbalance"] == runs[0]["imbalance"], [g["imbalance"] for g in runs]
         assert len(got["imbalance"]) == len(reference["imbalance"]), (got["imbalance"], reference["imbalance"])
         assert all(v is not None and v >= 1.0 for v in got["imbalance"]), got["imbalance"]
+
+
+def sequence_outputs_exact(documents: list[list[int]]) -> dict:
+    """What reads a packed row's tokens where the balanced layout put them, patched vs unpatched (relative errors,
+    every gradient averaged over the group): a sequence classifier's pooled logits (each row's last non-pad token, a
+    pad in the middle and at the tail), logits_to_keep=3, hfcp.sequence_logps' row sums, gathered hidden states;
+    and whether each forward ran the balanced layout."""
+    import torch.distributed as dist
+
+    from hfcp.commands.verify import grad_error
+    from hfcp.testing.tiny import tiny_model as hfcp_tiny
+
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in documents])
+    ids = torch.randint(3, 96, pos.shape, generator=torch.Generator().manual_seed(3))
+    padded = ids.clone()
+    padded[0, -3:], padded[1, 7] = 0, 0  # the classifier's pad_token_id
+
+    def rel(a, b):
+        return float((a - b).detach().abs().max() / b.detach().abs().max())
+
+    def run(model, patched):
+        score = model(input_ids=padded, position_ids=pos, labels=torch.tensor([1, 0]))
+        return score.loss, score.logits
+
+    def logps(model, patched):
+        out = hfcp.sequence_logps(model, ids, position_ids=pos)
+        kept = model(input_ids=ids, position_ids=pos, logits_to_keep=3, output_hidden_states=True).logits
+        hidden = model(input_ids=ids, position_ids=pos, output_hidden_states=True).hidden_states[-1]
+        return (out.sums * torch.tensor([1.0, -2.0])).sum(), (out.sums, kept,
+                                                                hfcp.gather_sequence(hidden, model) if patched else hidden)
+
+    errors = {}
+    for name, head, call in (("classifier", "sequence-classification", run), ("causal lm", None, logps)):
+        ref, model = hfcp_tiny("llama", head=head).eval(), hfcp_tiny("llama", head=head).eval()  # eval: no dropout
+        loss, want = call(ref, False)
+        loss.backward()
+        hfcp.patch(model)
+        try:
+            got_loss, got = call(model, True)
+            got_loss.backward()
+            errors[f"{name} balanced"] = hfcp.cp_state(model).step.layout.balanced
+        finally:
+            hfcp.unpatch(model)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        for g in grads.values():
+            dist.all_reduce(g)
+            g /= dist.get_world_size()
+        errors[f"{name} loss"] = rel(got_loss, loss)
+        errors[f"{name} outputs"] = max(rel(g, w) for g, w in zip(got if isinstance(got, tuple) else (got,),
+                                                                   want if isinstance(want, tuple) else (want,)))
+        errors[f"{name} grad"] = grad_error(grads, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None})
+    return errors

@@ -138,6 +138,7 @@ def refusals(case: dict) -> dict:
     out["1-d input_ids"] = message(lambda: hfcp.sequence_logps(model, input_ids=batch["input_ids"][0]))
     out["no rows"] = message(lambda: model(input_ids=batch["input_ids"][:0]))  # (a raw amax() error before)
     out["no rows logps"] = message(lambda: hfcp.sequence_logps(model, input_ids=batch["input_ids"][:0]))
+    out["no tokens"] = message(lambda: model(input_ids=batch["input_ids"][:, :0]))  # (an IndexError before)
     other = labels.clone()
     other[0, -1] = (other[0, -1] + torch.distributed.get_rank()) % 64  # rank 1's labels differ
     out["different labels"] = message(lambda: hfcp.sequence_logps(model, labels=other, **batch))

@@ -42,7 +42,7 @@ def as_kwargs(module, args, kwargs) -> dict:
 
 def check_input_dims(ids: torch.Tensor | None, embeds: torch.Tensor | None) -> None:
     """Raises ValueError unless input_ids is (batch, seq) and inputs_embeds (batch, seq, hidden) (either may be None),
-    with at least one row."""
+    with at least one row and one token."""
     if ids is not None and ids.dim() != 2:
         raise ValueError(f"input_ids has shape {tuple(ids.shape)}; hfcp needs (batch, seq): add a batch dimension")
     if embeds is not None and embeds.dim() != 3:
@@ -51,6 +51,9 @@ def check_input_dims(ids: torch.Tensor | None, embeds: torch.Tensor | None) -> N
     if x is not None and x.shape[0] == 0:
         raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(x.shape)}: a batch "
                          "of no rows; skip the empty batch (or give the model at least one row)")
+    if x is not None and x.shape[1] == 0:
+        raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(x.shape)}: no tokens; "
+                         "skip the empty batch (or give the model at least one token per row)")
 
 
 def check_call(kw: dict) -> dict | None:

@@ -9,7 +9,7 @@ from ..attention.volume import comm_bytes
 from .balance import check_balance, step_layout, why_row_layout
 from ..checks import check_shapes
 from ..families.resolve import patcher_for, plan_patch
-from ..hooks.batch import default_positions, take_packed_lengths, text_positions
+from ..hooks.batch import check_input_dims, default_positions, take_packed_lengths, text_positions
 from . import Layout, StepBatch, build_step_batch
 from ..state import Settings, cp_state, find_pretrained
 from .work import imbalance, layer_masks, position_work, rank_work, step_work, ulysses_width
@@ -75,13 +75,15 @@ def balance_report(model, cp_size: int | None = None, balance: str | None = None
         attention layers (under "ulysses" and "usp", whose all-to-all gives every rank of a Ulysses group all of the
         group's queries for a share of the heads: the group's mean); bytes_per_layer is what a rank sends per attention layer in one training step.
     Raises:
-        ValueError: an unknown balance, no cp_size for an unpatched model, a batch without input_ids or inputs_embeds.
+        ValueError: an unknown balance, no cp_size for an unpatched model, a batch without input_ids or inputs_embeds
+            or of a shape the forward refuses (not (batch, seq), no rows, no tokens).
         UnsupportedModelError: a model hfcp.patch would refuse.
     """
     if balance is not None:
         check_balance(balance)
     if batch.get("input_ids") is None and batch.get("inputs_embeds") is None:
         raise ValueError("balance_report needs the batch's input_ids or inputs_embeds (its shape: rows x tokens)")
+    check_input_dims(batch.get("input_ids"), batch.get("inputs_embeds"))
     cp, patcher, modules, strategy, u, setting = _model_facts(model, cp_size)
     balance = balance or setting
     x = batch["input_ids"] if batch.get("input_ids") is not None else batch["inputs_embeds"]
