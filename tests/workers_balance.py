@@ -75,7 +75,7 @@ class LongTailRows(torch.utils.data.Dataset):
 
 
 def trainer_imbalance_run(balance: str) -> dict:
-    """HfcpTrainer on a model patched with `balance`, 4 steps of one long-tail packed row, logged every 2 steps: the
+    """HfcpTrainer(balance=balance), 4 steps of one long-tail packed row, logged every 2 steps: the
     logged (step, cp_imbalance) pairs, the batches of the training forwards (input_ids, position_ids), and how many
     times the work per query was counted (hfcp.layout.work.query_work)."""
     import tempfile
@@ -90,12 +90,12 @@ def trainer_imbalance_run(balance: str) -> dict:
     model.register_forward_pre_hook(lambda m, args, kw: batches.append((kw["input_ids"].clone(),
                                                                         kw["position_ids"].clone()))
                                     if m.training else None, with_kwargs=True)
-    hfcp.patch(model, balance=balance)  # (HfcpTrainer takes no balance option: a patched model keeps its own)
     counted, count = [], work.query_work
     work.query_work = lambda *a: counted.append(1) or count(*a)  # the work counts of the run (one mask: one a step)
     try:
         with tempfile.TemporaryDirectory() as out:
-            trainer = HfcpTrainer(model=model, args=_args(out, 1, logging_steps=2), train_dataset=LongTailRows(8))
+            trainer = HfcpTrainer(model=model, args=_args(out, 1, logging_steps=2), train_dataset=LongTailRows(8),
+                                  balance=balance)  # (hfcp.patch's option, passed by the trainer)
             trainer.train()
     finally:
         work.query_work = count

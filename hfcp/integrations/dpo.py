@@ -30,7 +30,7 @@ class HfcpDPOTrainer(HfcpTrainerMixin, DPOTrainer):
     """`trl.DPOTrainer` for a context-parallel model: every argument of DPOTrainer, plus hfcp.patch's options.
 
     Args:
-        cp_size, strategy, loss_chunk, timeout, check_inputs: as for HfcpTrainer (passed to `hfcp.patch`). The
+        cp_size, strategy, loss_chunk, timeout, check_inputs, balance: as for HfcpTrainer (passed to `hfcp.patch`). The
             reference model (`ref_model=`) is patched with the policy's CP groups and settings.
     Logged as by DPOTrainer: loss, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
     logps/chosen, logps/rejected, logits/chosen, logits/rejected, entropy, mean_token_accuracy, num_tokens (each DP
@@ -41,11 +41,11 @@ class HfcpDPOTrainer(HfcpTrainerMixin, DPOTrainer):
     """
 
     def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
-                 **kwargs):
+                 balance=UNSET, **kwargs):
         # read with the layout, when the parent's __init__ creates the Accelerator
         self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)
         self._hfcp_options = dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
-                                  check_inputs=check_inputs)
+                                  check_inputs=check_inputs, balance=balance)
         super(HfcpTrainerMixin, self).__init__(*args, **kwargs)  # DPOTrainer's; the patch follows in _hfcp_setup
         self._hfcp_setup()
 
@@ -75,7 +75,7 @@ class HfcpDPOTrainer(HfcpTrainerMixin, DPOTrainer):
             return
         s = state.settings
         patch(self.ref_model, strategy=s.strategy, process_group=state.mesh.cp_group, timeout=s.timeout,
-              check_inputs=s.check_inputs, loss_chunk=s.loss_chunk, ulysses_size=s.ulysses_size)
+              check_inputs=s.check_inputs, loss_chunk=s.loss_chunk, ulysses_size=s.ulysses_size, balance=s.balance)
 
     def _hfcp_refuse_unsupported(self) -> None:
         problems = []
