@@ -174,7 +174,8 @@ def shard_inputs(st, kw: dict, layout: Layout, outer_masks, masks=None) -> None:
     """The step's metadata from the whole batch in kw (st.step), then kw's per-token inputs replaced by this rank's
     slice: input_ids / inputs_embeds, position_ids of any leading shape ((B, L), (3, B, L) mRoPE, (4, B, L) with a
     text row) along their last dim, token_type_ids; the mask becomes the step token. masks: the model's attention
-    masks ((MaskSpec, layers) pairs) to balance packed documents over (hfcp.layout.balance.step_layout), or None: `layout`."""
+    masks ((MaskSpec, layers) pairs) to balance packed documents over (hfcp.layout.balance.step_layout), or None:
+    `layout`."""
     ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
     x = ids if ids is not None else embeds
     B, L = x.shape[:2]

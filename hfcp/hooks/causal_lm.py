@@ -94,7 +94,7 @@ class LossHook(ModelHook):
         layout = Layout(x.shape[1], st.mesh.cp_size, zigzag=st.patcher.causal)
         check_length_limit(st.patcher, module.config.get_text_config(), layout)
         self._place(kw, layout, outer_masks, pairs, cache)
-        layout = st.step.layout if st.step is not None else layout  # (balanced over packed documents: hfcp.layout.balance)
+        layout = st.step.layout if st.step is not None else layout  # (packed documents: hfcp.layout.balance)
         num_items = kw.pop("num_items_in_batch", None) if st.head == "causal_lm" else None
         self._keep = kw.pop("logits_to_keep", 0) or (1 if last_only else 0)  # (generate() reads [:, -1] only)
         if self._keep:  # the model computes every local position's hidden state; the head keeps the global last ones

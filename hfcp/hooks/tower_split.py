@@ -153,17 +153,14 @@ class TowerSplitHook(ModelHook):
             raise ValueError(f"{type(module).__name__} returned rows {tuple(t.shape)} for {mine} patches: hfcp splits "
                              "only towers whose outputs are rows per patch or per merged patch")
         per = [[sizes[i] * t.shape[0] // mine for i in share] for share in shares]  # rows of each image, per rank
-        longest = max(sum(p) for p in per)
+        kept = [sum(c for j, c in enumerate(counts) if r * k + j < n) for r, counts in enumerate(per)]  # (padding
+        return self._gather_uneven(t, kept, max(sum(p) for p in per))  # copies end a share: its rows are dropped)
+
+    def _gather_uneven(self, t, kept: list[int], longest: int):
+        """Every rank's first kept[r] rows of its `t`, in rank order (each padded to `longest` rows to be gathered)."""
         padded = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, longest - t.shape[0]))
         every = all_gather(padded, self.state.mesh.cp_group, 0)  # (cp * longest, ...)
-        pieces = []
-        for r, counts in enumerate(per):
-            at = r * longest
-            for j, count in enumerate(counts):
-                if r * k + j < n:  # not a padding copy
-                    pieces.append(every[at:at + count])
-                at += count
-        return torch.cat(pieces)
+        return torch.cat([every[r * longest:r * longest + rows] for r, rows in enumerate(kept)])
 
     def _split_time(self, module, args, kwargs):
         """Qwen2.5-Omni: (mel, frames) of every clip concatenated, feature_lens (n,); each rank takes whole clips."""
@@ -198,10 +195,7 @@ class TowerSplitHook(ModelHook):
         group = self.state.mesh.cp_group
         sizes = all_gather_no_grad(torch.tensor([[t.shape[0], t.shape[0] if self._keeps else 0]], device=t.device),
                                    group, 0).tolist()  # (cp, 2): rows returned, rows kept
-        longest = max(s for s, _ in sizes)
-        padded = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, longest - t.shape[0]))
-        every = all_gather(padded, group, 0)  # (cp * longest, ...)
-        return torch.cat([every[r * longest:r * longest + kept] for r, (_, kept) in enumerate(sizes)])
+        return self._gather_uneven(t, [kept for _, kept in sizes], max(s for s, _ in sizes))
 
     def _check_alike(self, module, output) -> None:
         """Raise on every rank unless every rank's tower returned as many tensors of the same shapes (past dim 0 where

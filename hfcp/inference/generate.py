@@ -50,24 +50,16 @@ def generation_cache(state, module, kw: dict, shards: bool) -> ShardedKVCache | 
                          "it makes from the prompt; pass no cache, or an empty DynamicCache (not static, offloaded or "
                          "quantized)")
     parameters = forward_parameters(module)
-    if "logits_to_keep" not in parameters and not kw.get(LAST_LOGITS):
-        refuse_without_logits_to_keep(type(module).__name__, parameters)
+    if "logits_to_keep" not in parameters and not kw.get(LAST_LOGITS):  # (a forward with a cache, not generate()'s)
+        raise ValueError(f"hfcp: {type(module).__name__}.forward takes no logits_to_keep, so a forward with a cache "
+                         "would return each rank's shard of the prompt's logits, not the last position's; call "
+                         "generate(), whose forwards hfcp limits to the last position, or hfcp.unpatch(model)")
     name = next((n for n in CACHE_NAMES if n in parameters), CACHE_NAMES[0])
     for n in names:
         kw.pop(n)
     cache = ShardedKVCache(state.mesh.cp_rank, state.mesh.cp_size, cache_windows(given, module))
     kw[name] = cache
     return cache
-
-
-def refuse_without_logits_to_keep(name: str, parameters) -> None:
-    """A forward with a cache reads the last position's logits: without logits_to_keep it would give each rank's
-    own shard's last position. Raises ValueError, on every rank alike; generate() on such a model marks its forwards
-    instead (LAST_LOGITS), and its prefill returns the global last position's logits."""
-    if "logits_to_keep" not in parameters:
-        raise ValueError(f"hfcp: {name}.forward takes no logits_to_keep, so a forward with a cache would return each "
-                         "rank's shard of the prompt's logits, not the last position's; call generate(), whose prefill "
-                         "hfcp limits to the last position, or hfcp.unpatch(model)")
 
 
 # the keyword generate() adds to the forwards of a model whose forward takes no logits_to_keep: the prompt's prefill
