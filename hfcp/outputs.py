@@ -19,11 +19,18 @@ def gather_outputs(outputs, model):
         outputs: a ModelOutput (changed in place and returned) or a tuple, from the latest forward of `model`.
         model: the patched model (PEFT / DDP wrappers are looked through).
     Returns:
-        The outputs with whole sequences (original order and length) on every rank of the CP group.
+        The outputs with whole sequences (original order and length) on every rank of the CP group; on a model
+        that is not patched (or runs unchanged: one process, cp_size 1), `outputs` unchanged, as `gather_sequence`.
     Raises:
-        RuntimeError / ValueError: as `gather_sequence` (no forward yet; an output of an earlier forward).
+        RuntimeError: the patched model has run no forward yet.
+        ValueError: as `gather_sequence` (an output of an earlier forward).
     """
     state = cp_state(model)
+    if state is None:
+        return outputs
+    if state.step is None:
+        raise RuntimeError("gather_outputs needs the outputs of a forward of the patched model, and this model has "
+                           "run none since hfcp.patch: call the model first, then gather its outputs")
     local_len = state.step.layout.local_len
 
     def whole(v, named):

@@ -91,6 +91,9 @@ def test_world_size_one_runs_unchanged():
     assert torch.equal(model(**batch).loss, ref)
     logits = model(**batch).logits
     assert hfcp.gather_sequence(logits, model) is logits
+    out = model(**batch)
+    assert hfcp.gather_outputs(out, model) is out and torch.equal(out.logits, logits)  # unchanged, as gather_sequence
+    assert hfcp.gather_outputs((logits,), model)[0] is logits
 
 
 def test_world_size_in_env_without_process_group_is_an_error(monkeypatch):

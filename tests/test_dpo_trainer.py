@@ -60,6 +60,15 @@ def test_dpo_lora_left_padding_cp2_equals_one_process(pool1, pool2):
         assert float((logits - ref_logits).abs().max()) < 1e-4
 
 
+def test_dpo_lora_reentrant_checkpointing_cp2_equals_one_process(pool1, pool2):
+    """use_reentrant=True: DDP (CP always wraps the model in it) crashed in the first backward ("mark a variable
+    ready only once") until hfcp gave it static_graph=True."""
+    checkpointing = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+    ref = pool1.run(W.dpo_run, 2, None, "lora", checkpointing)[0]
+    for got in pool2.run(W.dpo_run, 2, 2, "lora", checkpointing):
+        assert_same(got, ref)
+
+
 def test_dpo_precomputed_reference_gradient_accumulation_cp2_equals_one_process(pool1, pool2):
     """Reference log-probs computed before training (one copy per DP group), 2 micro-batches per step."""
     overrides = {"gradient_accumulation_steps": 2}

@@ -78,6 +78,8 @@ def test_content_digest_changes_under_any_edit():
     ("inner_model", "a submodule such as model.model called directly"),
     ("gather_stale", "an output of an earlier forward"),
     ("gather_dim0", "its sequence dimension is 1"),
+    ("gather_outputs_before_forward", "RuntimeError: gather_outputs needs the outputs of a forward"),
+    ("gather_sequence_before_forward", "RuntimeError: gather_sequence needs the output of a forward"),
     ("logits_to_keep_tensor", "logits_to_keep=tensor("),
     ("input_ids_1d", "input_ids has shape (16,); hfcp needs (batch, seq)"),
     ("float_labels", "labels[:, 1:] has dtype torch.float32; pass integer token ids"),

@@ -33,6 +33,21 @@ def test_cp2_equals_one_process(pool2, reference, strategy):
         assert_same_run(got, reference[1])
 
 
+@pytest.mark.parametrize("enable_on_model", [False, True])
+def test_lora_with_reentrant_checkpointing_cp2_equals_one_process(pool1, pool2, enable_on_model):
+    # DDP (which CP always brings) with find_unused_parameters, the Trainer's default for a PEFT model, marked each
+    # checkpointed LoRA weight ready twice in the first backward; hfcp gives DDP static_graph=True
+    ref = pool1.run(W.lora_checkpointing_run, 4, None, None, enable_on_model)[0]
+    assert len({h["loss"] for h in ref["history"] if "loss" in h}) > 1, ref  # it trains
+    for got in pool2.run(W.lora_checkpointing_run, 4, None, None, enable_on_model):
+        assert got["static_graph"], got
+        assert len(got["history"]) == len(ref["history"])
+        for g, r in zip(got["history"], ref["history"]):
+            for k in ("loss", "grad_norm"):
+                if k in r:
+                    assert abs(g[k] - r[k]) <= 2e-5 * max(1.0, abs(r[k])), (k, g, r)
+
+
 def test_dp2_cp2_equals_one_process_with_the_global_batch(pool4, reference):
     for got in pool4.run(W.train_run, 2, 2):
         assert_same_run(got, reference[1])
@@ -108,6 +123,7 @@ def test_bf16_trainer_matches_the_unpatched_model_within_bf16(pool1, pool2):
     ("neftune", "neftune_noise_alpha=5.0"),
     ("fsdp", "accelerate did not enable FSDP"),
     ("fsdp1", "FSDP version 1"),
+    ("reentrant_without_static_graph", "ddp_static_graph=False and find_unused_parameters=True"),
 ])
 def test_unsupported_settings_are_refused(pool2, kind, message):
     for msg in pool2.run(W.refused, kind):

@@ -137,6 +137,10 @@ def misuse(kind: str):
     if kind == "gather_ok":
         out = model(**batch)
         return tuple(hfcp.gather_sequence(out.logits, model).shape)
+    if kind == "gather_outputs_before_forward":  # an output from before patching: nothing to gather it with
+        return _raises(lambda: hfcp.gather_outputs((torch.zeros(2, 8, 64),), model), RuntimeError)
+    if kind == "gather_sequence_before_forward":
+        return _raises(lambda: hfcp.gather_sequence(torch.zeros(2, 8, 64), model), RuntimeError)
     calls = {
         "logits_to_keep_tensor": lambda: model(**batch, logits_to_keep=torch.arange(16)),
         "input_ids_1d": lambda: model(input_ids=batch["input_ids"][0], labels=batch["labels"][0]),

@@ -104,6 +104,28 @@ def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, ov
             "total_batch": trainer.get_total_train_batch_size(trainer.args)}
 
 
+def lora_checkpointing_run(per_device: int, cp_size=None, overrides=None, enable_on_model=False):
+    """4 LoRA steps with reentrant gradient checkpointing (asked for in the arguments, or enabled on the model
+    before the trainer is made): the history. Under CP the trainer wraps the model in DDP even at dp 1."""
+    from peft import LoraConfig, get_peft_model
+
+    from hfcp.integrations import HfcpTrainer
+
+    _reset_accelerate()
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    checkpointing = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+    if enable_on_model:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.enable_input_require_grads()
+        checkpointing = {}
+    with tempfile.TemporaryDirectory() as out:
+        trainer = HfcpTrainer(model=model, args=_args(out, per_device, **checkpointing, **(overrides or {})),
+                              train_dataset=Rows(24), cp_size=cp_size)
+        trainer.train()
+    return {"history": _history(trainer), "static_graph": trainer.accelerator.ddp_handler is not None
+            and trainer.accelerator.ddp_handler.static_graph}
+
+
 def resume_run(world_tag: str, cp_size=None):
     """8 steps straight, and 8 steps as 5 + resume from the checkpoint at step 5: the same losses."""
     from hfcp.integrations import HfcpTrainer
@@ -222,6 +244,8 @@ def refused(kind: str):
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, fsdp=True, fsdp_config={"version": 2}))
             elif kind == "dispatch_batches":
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, accelerator_config={"dispatch_batches": True}))
+            elif kind == "reentrant_without_static_graph":
+                lora_checkpointing_run(4, None, {"ddp_static_graph": False})
         except ValueError as e:
             return str(e)
     return None
