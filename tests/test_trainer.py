@@ -48,6 +48,18 @@ def test_lora_with_reentrant_checkpointing_cp2_equals_one_process(pool1, pool2, 
                     assert abs(g[k] - r[k]) <= 2e-5 * max(1.0, abs(r[k])), (k, g, r)
 
 
+def test_torch_compile_cp2_equals_one_process(pool2, reference):
+    # TrainingArguments(torch_compile=True): accelerate compiles the DDP-wrapped patched model as a whole; the
+    # reference is one process, eager
+    import torch
+
+    for got in pool2.run(W.train_run, 4, None, "ring", False, {"torch_compile": True,
+                                                               "torch_compile_backend": "aot_eager"}):
+        assert got["wrapped_class"] == "OptimizedModule", got["wrapped_class"]
+        assert_same_run(got, reference[1])
+    pool2.run(torch._dynamo.reset)
+
+
 def test_dp2_cp2_equals_one_process_with_the_global_batch(pool4, reference):
     for got in pool4.run(W.train_run, 2, 2):
         assert_same_run(got, reference[1])

@@ -101,7 +101,8 @@ def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, ov
         pred = trainer.predict(Rows(5, seed=2))
     return {"history": _history(trainer), "eval_loss": metrics["eval_loss"], "model_class": type(trainer.model).__name__,
             "predictions": torch.as_tensor(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids),
-            "total_batch": trainer.get_total_train_batch_size(trainer.args)}
+            "total_batch": trainer.get_total_train_batch_size(trainer.args),
+            "wrapped_class": type(trainer.model_wrapped).__name__}
 
 
 def lora_checkpointing_run(per_device: int, cp_size=None, overrides=None, enable_on_model=False):

@@ -6,6 +6,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import STRATEGIES, MaskSpec
+from ..compiler import eager
 from .decode import decode_attention
 from ..inference.kv_cache import DecodeStep
 from .outer_mask import OuterMask, hfcp_mask, layer_mask
@@ -13,6 +14,7 @@ from .outer_mask import OuterMask, hfcp_mask, layer_mask
 KEY = "hfcp"
 
 
+@eager  # (a compiled layer breaks its graph here: the strategies communicate and read the step's layout)
 def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                    sliding_window=None, is_causal=None, softcap=None, **kwargs):
     """transformers attention function: q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> ((B, L/cp, H, D), None)."""

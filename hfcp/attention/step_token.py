@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from ..compiler import compiling, eager
+
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _HFCP = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # operations that copy the mask as it is (to a device or dtype, detached): the copy stands for the same masks
@@ -27,8 +29,12 @@ class StepToken(torch.Tensor):
     hfcp_step = None
 
     @classmethod
+    @eager  # a compiled model's operation on the mask breaks its graph here, and is checked as in eager mode
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if compiling():  # Dynamo's own look at its input (its base, its sizes), never the model's code
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             try:
                 out = func(*args, **kwargs)

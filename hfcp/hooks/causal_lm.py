@@ -8,6 +8,7 @@ from accelerate.hooks import ModelHook
 
 from ..attention.step_token import step_token
 from ..checks import BATCH_NAMES, check_same_batch
+from ..compiler import eager
 from ..distributed.collectives import all_reduce_no_grad
 from ..forward_data import ForwardData
 from ..inference.generate import LAST_LOGITS, generation_cache, prepare_decode, return_cache
@@ -67,9 +68,14 @@ class LossHook(ModelHook):
     def __init__(self, state):
         self.state = state
         self._restore_head = None
+        self._head = None  # the output head whose forward this forward swaps
         self._chunk = None  # tokens per loss chunk in this forward, or None: loss from the logits
         self._keep = 0  # logits_to_keep of this forward: the head computes the global sequence's last positions
+        # the head's stand-ins: one object each for the hook's life (a compiled caller guards on the head's forward)
+        self._loss_stand_in = eager(self._loss_instead_of_logits)
+        self._keep_stand_in = eager(self._last_positions)
 
+    @eager
     def pre_forward(self, module, *args, **kwargs):
         st = self.state
         self.restore_pending_head()  # a forward that raised may have left the head swapped
@@ -144,30 +150,26 @@ class LossHook(ModelHook):
 
     def _chunk_head(self, module):
         """For this forward, the output head computes the loss sum chunk by chunk instead of the logits."""
-        st, fwd = self.state, self.state.fwd
-        head = module.get_output_embeddings()
-        chunk = self._chunk
+        self._swap_head(module.get_output_embeddings(), self._loss_stand_in)
 
-        def loss_instead_of_logits(hidden, *args, **kwargs):
-            self.restore_pending_head()  # one call only, and chunks call the real head
-            fwd.loss_sum = chunked_ce_sum(hidden, fwd.targets, head, chunk, fwd.token_stats, st.logit_transform)
-            return hidden.new_zeros(*hidden.shape[:-1], 0)  # (B, L/cp, 0): no logits materialised
-
-        self._swap_head(head, loss_instead_of_logits)
+    def _loss_instead_of_logits(self, hidden, *args, **kwargs):
+        st, fwd, head = self.state, self.state.fwd, self._head
+        self.restore_pending_head()  # one call only, and chunks call the real head
+        fwd.loss_sum = chunked_ce_sum(hidden, fwd.targets, head, self._chunk, fwd.token_stats, st.logit_transform)
+        return hidden.new_zeros(*hidden.shape[:-1], 0)  # (B, L/cp, 0): no logits materialised
 
     def _keep_head(self, module):
         """For this forward, the output head computes the logits of the global sequence's last positions only
         (logits_to_keep), the same on every rank."""
-        st, keep = self.state, self._keep
-        head = module.get_output_embeddings()
+        self._swap_head(module.get_output_embeddings(), self._keep_stand_in)
 
-        def last_positions(hidden, *args, **kwargs):
-            self.restore_pending_head()
-            return head(keep_last_positions(hidden, keep, st.step, st.mesh.cp_group), *args, **kwargs)
-
-        self._swap_head(head, last_positions)
+    def _last_positions(self, hidden, *args, **kwargs):
+        st, head = self.state, self._head
+        self.restore_pending_head()
+        return head(keep_last_positions(hidden, self._keep, st.step, st.mesh.cp_group), *args, **kwargs)
 
     def _swap_head(self, head, forward):
+        self._head = head
         self._restore_head = swap_forward(head, forward)
 
     def restore_pending_head(self):
@@ -175,6 +177,7 @@ class LossHook(ModelHook):
             self._restore_head()
             self._restore_head = None
 
+    @eager
     def post_forward(self, module, output):
         st = self.state
         check_attention_ran(st, module)

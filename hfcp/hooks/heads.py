@@ -10,6 +10,7 @@ import torch
 from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification
 
 from ..families.registry import UnsupportedModelError
+from ..compiler import eager
 from ..mixers.source_guard import check_source
 from ..pooling import pick_global_rows
 from .causal_lm import ShardSequenceHook
@@ -106,6 +107,7 @@ class SequenceClassificationHook(ShardSequenceHook):
         super()._place(kw, layout, outer_masks, pairs, cache)
         self._pool_head(module.get_submodule(self.head_name), rows)
 
+    @eager
     def pre_forward(self, module, *args, **kwargs):
         self._module = module
         try:
@@ -124,6 +126,7 @@ class SequenceClassificationHook(ShardSequenceHook):
 
         self._swap_head(head, pooled_scores)
 
+    @eager
     def post_forward(self, module, output):
         if self._restore_head is not None:  # the stand-in restores the head when called: it never ran
             self.restore_pending_head()

@@ -15,6 +15,8 @@ import functools
 
 import torch
 
+from ..compiler import eager
+
 _DYNAMIC = ("dynamic", "longrope")
 
 
@@ -42,6 +44,7 @@ def attach(modules: list[torch.nn.Module], state) -> list:
         original = module.forward  # the bound, decorated forward (or a hook's instance forward)
         own = module.__dict__.get("forward")
 
+        @eager  # (a compiled model breaks its graph here: the step's largest position decides)
         @functools.wraps(original)
         def forward(x, position_ids, *args, _original=original, _module=module, **kwargs):
             if state.fwd.decoding:  # a decode step's positions are whole on every rank: the module's own update

@@ -32,6 +32,7 @@ import torch
 from accelerate.hooks import ModelHook
 
 from ..distributed.collectives import all_gather, all_gather_no_grad
+from ..compiler import eager
 
 # encoder configs' model_types whose towers encode each image / clip on its own (filled by patches/: model
 # knowledge), with how their inputs hold the items: "items" along dim 0 (or Qwen-VL grids), "frames" (Qwen-VL
@@ -93,6 +94,7 @@ class TowerSplitHook(ModelHook):
         self._grid = None  # a patch-sequence tower's call: (per-image patches, this rank's images, every rank's)
         self._keeps = None  # clips in time: whether this rank keeps its output rows (False: a stand-in clip)
 
+    @eager
     def pre_forward(self, module, *args, **kwargs):
         self._keeps = None
         if self.mode == "time":
@@ -216,6 +218,7 @@ class TowerSplitHook(ModelHook):
                              "hfcp splits only towers whose outputs are per image or clip, each alike whatever the "
                              "others are; register this one without splitting (it then runs whole on every rank)")
 
+    @eager
     def post_forward(self, module, output):
         n, k = self._n, self._k
         group = self.state.mesh.cp_group

@@ -16,6 +16,7 @@ import torch
 from accelerate.hooks import ModelHook, add_hook_to_module
 
 from ..checks import check_same_batch
+from ..compiler import eager
 from .batch import as_kwargs
 from .outputs import check_attention_ran, first_field
 from ..distributed.collectives import all_gather
@@ -42,6 +43,7 @@ class ShardEmbeddingsHook(ModelHook):
                 "another token count, or disable gradient checkpointing"
             )
 
+    @eager
     def post_forward(self, module, output):
         st = self.state
         N = output.shape[1]
@@ -65,6 +67,7 @@ class CheckPixelsHook(ModelHook):
     def __init__(self, state):
         self.state = state
 
+    @eager
     def pre_forward(self, module, *args, **kwargs):
         kwargs = as_kwargs(module, args, kwargs)
         for name in ("attention_mask", "bool_masked_pos", "head_mask"):
@@ -80,6 +83,7 @@ class CheckPixelsHook(ModelHook):
         self.state.fwd = ForwardData()
         return (), kwargs
 
+    @eager
     def post_forward(self, module, output):
         st = self.state
         check_attention_ran(st, module)
@@ -119,6 +123,7 @@ class GatherForHeadHook(ModelHook):
     def __init__(self, state):
         self.state = state
 
+    @eager
     def post_forward(self, module, output):
         st = self.state
         hidden = first_field(output, "last_hidden_state")

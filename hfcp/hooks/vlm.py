@@ -14,11 +14,13 @@ names the tower, its work is split over the group too (hfcp/hooks/tower_split.py
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 from accelerate.hooks import ModelHook
 
 from .batch import as_kwargs, forward_parameters, shard_inputs
+from ..compiler import eager
 from ..attention.outer_mask import resolve_attention_mask
 from .side_inputs import check_side_inputs, shard_side_inputs, side_input_names
 
@@ -57,6 +59,7 @@ class LanguageModelHook(ModelHook):
     def __init__(self, state):
         self.state = state
 
+    @eager
     def pre_forward(self, module, *args, **kwargs):
         st = self.state
         if st.fwd.decoding:  # a decode step: its new tokens run whole on every rank (the outer hook prepared it)
@@ -94,18 +97,26 @@ class LanguageModelHook(ModelHook):
 def clear_layout_after(outer, state):
     """Wrap the outer model's own forward (the one accelerate's hook calls) so that the layout its hook leaves for
     the language model is cleared when the forward ends, also when it raises before reaching the language model:
-    a language model called alone afterwards is refused, never run on a stale layout. Returns the undo."""
+    a language model called alone afterwards is refused, never run on a stale layout. Returns the undo.
+
+    The wrapper is a partial that names the model (and its forward as `__wrapped__`, which gives it the forward's
+    signature), so that a shallow copy of the model such as accelerate's compile_regions makes rebinds it to the copy.
+    """
     original = outer._old_forward
-
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        try:
-            return original(*args, **kwargs)
-        finally:
-            state.fwd.pending_layout = None
-
+    if isinstance(original, types.MethodType) and original.__self__ is outer:
+        forward = functools.partial(_forward_then_clear, state, original.__func__, outer)
+    else:  # another library's wrapper: called as it is
+        forward = functools.partial(_forward_then_clear, state, original, None)
+    forward.__wrapped__ = original
     outer._old_forward = forward
 
     def restore():
         outer._old_forward = original
     return restore
+
+
+def _forward_then_clear(state, forward, model, *args, **kwargs):
+    try:
+        return forward(*args, **kwargs) if model is None else forward(model, *args, **kwargs)
+    finally:
+        state.fwd.pending_layout = None

@@ -21,6 +21,7 @@ import torch
 from accelerate.hooks import ModelHook
 
 from ..distributed.collectives import all_reduce_sum
+from ..compiler import eager
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class RouterStatsHook(ModelHook):
     def __init__(self, state):
         self.state = state
 
+    @eager
     def post_forward(self, module, output):
         st = self.state
         logits = getattr(output, "router_logits", None)

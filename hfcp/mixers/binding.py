@@ -16,6 +16,7 @@ import types
 
 import torch
 
+from ..compiler import eager
 from ..families.introspect import decoder_layers
 
 _CHECKPOINT_FUNCTIONS = ("_gradient_checkpointing_func", "checkpoint_fn")  # transformers' layers, checkpoint_wrapper
@@ -56,6 +57,7 @@ class LayerSteps:
         self.carried = None  # the step of the checkpointed call running now (its forward or its recompute), or None
         self.wrapped: list = []  # [(module, attribute, StepCarrying)]
 
+    @eager
     def carry_through_checkpoints(self, owner, args, kwargs=None) -> None:
         """Forward pre-hook of the owner: wraps every checkpoint function set on its modules since the last forward
         (gradient checkpointing may be enabled, or checkpoint_wrapper applied, after hfcp.patch)."""
@@ -153,8 +155,8 @@ def bind(state, owner, patcher) -> list:
             if not any(c is m for lay in layers for c in lay.modules()):
                 raise ValueError(f"hfcp: found no decoder layer holding the {name} module")
             plan.append((m, make_forward(state, m, steps.current)))
-    for m, forward in plan:
-        m.forward = types.MethodType(forward, m)
+    for m, forward in plan:  # (eager: a compiled model breaks its graph at each mixer, which communicates)
+        m.forward = types.MethodType(eager(forward), m)
     state.layer_steps = steps
     handle = owner.register_forward_pre_hook(steps.carry_through_checkpoints, with_kwargs=True)
     return [m for m, _ in plan] + [handle, steps]
