@@ -167,3 +167,18 @@ def test_the_step_mask_stand_in_refuses_a_mask_the_model_computes_from_it():
     for op in (lambda: F.pad(token, (0, 3)), lambda: token[..., :1], lambda: token * 2):
         with pytest.raises(ValueError, match=r"test_api\.py:\d+ .*not supported by hfcp"):
             op()
+
+
+def test_the_step_mask_stand_in_refuses_a_computed_mask_under_torch_compile_too():
+    # a compiled model's operation on the stand-in breaks the graph and is checked as in eager mode (the compiled
+    # graph would otherwise compute from the stand-in's one False value: silently wrong)
+    from hfcp.attention.step_token import step_token
+
+    token = step_token("step", "cpu")
+    try:
+        with pytest.raises(ValueError, match=r"test_api\.py:\d+ .*computes a new tensor from its attention mask"):
+            torch.compile(lambda m: m[..., :1], backend="aot_eager")(token)
+        copied = torch.compile(lambda m: m.to(torch.float32), backend="aot_eager")(token)
+        assert copied.hfcp_step == "step"  # a copy still stands for the step's masks
+    finally:
+        torch._dynamo.reset()
