@@ -17,7 +17,8 @@ from .families.resolve import Plan
 from .hooks import rope, vision, vlm
 from .hooks.causal_lm import LossHook, ShardSequenceHook
 from .hooks.heads import SequenceClassificationHook, classification_head_name
-from .hooks.tower_split import TowerSplitHook, split_mode
+from .hooks.synced_batch_norm import bind_batch_norms, unbind_batch_norms
+from .hooks.tower_split import TowerSplitHook, split_mode, syncs_batch_norm
 from .hooks.vlm import LanguageModelHook
 from .inference import generate
 from .loss.router import RouterStatsHook
@@ -60,7 +61,11 @@ def attach_vlm(state: CPState, inner, plan: Plan) -> None:
     for path in (plan.patcher.vision_tower, plan.patcher.audio_tower):  # each rank encodes its share of the
         if path:  # images, frames or clips
             tower = inner.get_submodule(path)
-            add_hook(state, tower, TowerSplitHook(state, split_mode(getattr(tower, "config", None)) or "items"))
+            hook = TowerSplitHook(state, split_mode(getattr(tower, "config", None)) or "items")
+            add_hook(state, tower, hook)
+            if syncs_batch_norm(getattr(tower, "config", None)):  # its statistics over the group's clips
+                norms = bind_batch_norms(tower, hook.share_valid, state.mesh.cp_group)
+                state.undo.append(functools.partial(unbind_batch_norms, norms))
     _attach_rope(state, plan.owner)  # the language model's rotary modules (the vision tower is not sharded)
 
 

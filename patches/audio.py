@@ -15,7 +15,10 @@ for _encoder in PER_CLIP_ENCODERS:
     register_per_clip_encoder(_encoder)
 # Qwen2.5-Omni's: every clip's frames concatenated in time, feature_lens per clip, attention within n_window chunks
 register_per_clip_encoder("qwen2_5_omni_audio_encoder", clips_in_time=True)
-# not split: Granite Speech's Conformer normalises with BatchNorm1d, whose training statistics are over all clips
+# Granite Speech's Conformer: each clip alone but its BatchNorm1d, whose training statistics are over all clips (and
+# their frames): split, with those statistics summed over the CP group (hfcp/hooks/synced_batch_norm.py)
+for _encoder in ("granite_speech_encoder", "granite_speech_plus_encoder"):
+    register_per_clip_encoder(_encoder, batch_norm=True)
 # Qwen2.5-Omni's vision tower is Qwen2.5-VL's (attention, windows and positions within each temporal frame)
 register_per_image_tower("qwen2_5_omni_vision_encoder", frames_alone=True)
 

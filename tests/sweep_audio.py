@@ -191,7 +191,8 @@ def encoder_shares(model_type: str) -> list[int]:
 
 
 def batch_norm_encoder_refused() -> str:
-    """Granite Speech's Conformer (BatchNorm1d) registered as encoding each clip alone: what hfcp.patch raised."""
+    """Granite Speech's Conformer (BatchNorm1d) registered as encoding each clip alone, without batch_norm=True (as a
+    user's record might): what hfcp.patch raised."""
     import hfcp
     from hfcp.hooks import tower_split
 
@@ -202,7 +203,7 @@ def batch_norm_encoder_refused() -> str:
     except hfcp.UnsupportedModelError as e:
         return str(e)
     finally:
-        tower_split._SPLIT_MODES.pop("granite_speech_encoder", None)
+        tower_split.register_per_clip_encoder("granite_speech_encoder", batch_norm=True)  # (patches/audio.py's)
         hfcp.unpatch(model)
     return "nothing raised"
 
@@ -282,3 +283,51 @@ def other_clips_refused(model_type: str, name: str) -> str:
     if dist.get_rank() == 1:
         data[name] = data[name] + 0.1 if data[name].is_floating_point() else data[name].flip(0)
     return _raised_patched(model, lambda: model(**data))
+
+
+def batch_norm_split(model_type: str, mixed: bool = False) -> dict:
+    """Granite Speech's Conformer split with its batch norm statistics summed over the group: a training step and an
+    evaluation forward, patched against unpatched: loss and every gradient (_compare's tolerances), the running
+    statistics, the eval loss (running statistics), and how many clips this rank's encoder took. The batch:
+    audio_batch's three clips, or (mixed) mixed_audio_batch's two beside a text-only row."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    import hfcp
+    from hfcp.commands.verify import grad_error
+
+    from hfcp.testing.tiny_audio import mixed_audio_batch
+
+    ref = tiny_audio(model_type).train()
+    data = mixed_audio_batch(ref) if mixed else audio_batch(ref)  # (reads the clips' token counts from the encoder,
+    model = copy.deepcopy(ref)  # moving its running statistics: copied after)
+    encoder = model.get_submodule("model.encoder")
+    took = []
+
+    class Took(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            took.append(int((args[0] if args else kwargs["input_features"]).shape[0]))
+            return args, kwargs
+
+    want = ref(**data).loss
+    want.backward()
+    hfcp.patch(model, process_group=dist.group.WORLD)
+    add_hook_to_module(encoder, Took(), append=True)
+    try:
+        got = model(**data).loss
+        got.backward()
+        model.eval()
+        ref.eval()
+        eval_err = abs(model(**data).loss.item() - ref(**data).loss.item()) / ref(**data).loss.item()
+    finally:
+        hfcp.unpatch(model)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for g in grads.values():
+        dist.all_reduce(g)
+        g /= dist.get_world_size()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    norms = [(a, b) for a, b in zip(ref.modules(), model.modules()) if isinstance(a, torch.nn.BatchNorm1d)]
+    stats_err = max(float((getattr(a, s) - getattr(b, s)).abs().max() / getattr(a, s).abs().max())
+                    for a, b in norms for s in ("running_mean", "running_var"))
+    return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
+            "same_keys": grads.keys() == ref_grads.keys(), "stats_err": stats_err, "norms": len(norms),
+            "eval_err": eval_err, "took": took, "tracked": [int(b.num_batches_tracked) for _, b in norms][:1]}

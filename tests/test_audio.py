@@ -100,11 +100,28 @@ def test_ranks_with_other_clips_are_refused(pool2, model_type, name):
         assert f"got different batches ({name})" in message, message
 
 
-def test_encoder_with_batch_norm_is_not_split(pool2):
-    """Batch norm's training statistics are over every clip of the call: a record that splits such an encoder is
-    refused at patch time, on every rank."""
+def test_encoder_with_batch_norm_is_not_split_unless_registered_so(pool2):
+    """Batch norm's training statistics are over every clip of the call: a record that splits such an encoder
+    without saying so (register_per_clip_encoder(..., batch_norm=True)) is refused at patch time, on every rank."""
     for message in pool2.run(S.batch_norm_encoder_refused, timeout=300):
-        assert "BatchNorm1d" in message and "model.encoder" in message and "without splitting" in message, message
+        assert "BatchNorm1d" in message and "model.encoder" in message and "batch_norm=True" in message, message
+
+
+@pytest.mark.parametrize("model_type, mixed", [("granite_speech", False), ("granite_speech_plus", True)])
+def test_batch_norm_encoder_split_with_the_groups_statistics_cp2(pool2, model_type, mixed):
+    """Granite Speech's Conformer split over the ranks, its BatchNorm1d statistics summed over the group (the copy
+    that pads a share counted for nothing): loss, every gradient, the running statistics and the eval loss of one
+    process; each rank's encoder took its share of the clips."""
+    for r in pool2.run(S.batch_norm_split, model_type, mixed, timeout=300):
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["same_keys"], r
+        assert r["stats_err"] < 1e-5 and r["eval_err"] < 1e-5 and r["norms"] >= 1 and r["tracked"] == [2], r
+        assert r["took"] == [1, 1] if mixed else r["took"] == [2, 2], r  # (a forward in training, one in eval)
+
+
+def test_batch_norm_encoder_split_cp4(pool4):
+    """Three clips over four ranks: rank 3's share is only the copy that pads it, which counts for nothing."""
+    for r in pool4.run(S.batch_norm_split, "granite_speech", False, timeout=300):
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["stats_err"] < 1e-5 and r["eval_err"] < 1e-5, r
 
 
 def test_images_and_clips_in_one_row_cp2(pool2):

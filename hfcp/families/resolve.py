@@ -22,7 +22,7 @@ from .registry import REGISTRY, Patcher, UnsupportedModelError
 from ..distributed.tensor_parallel import is_sharded, tensor_parallel_ranks
 from ..distributed.mesh import tp_ranks_of_device_mesh, cp_group_of_device_mesh
 from ..hooks.heads import classification_head_name
-from ..hooks.tower_split import splits_tower
+from ..hooks.tower_split import splits_tower, syncs_batch_norm
 from ..hooks.vlm import find_language_model, module_with_config
 
 log = logging.getLogger("hfcp")
@@ -115,13 +115,14 @@ def _check_split_tower(inner, kind: str, path: str) -> None:
     if not _has_module(inner, path):
         raise UnsupportedModelError(f"{type(inner).__name__}: its record splits the {kind} at {path!r}, which the "
                                     "model does not have")
-    norms = sorted({type(m).__name__ for m in inner.get_submodule(path).modules()
-                    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)})
-    if norms:
+    tower = inner.get_submodule(path)
+    norms = sorted({type(m).__name__ for m in tower.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)})
+    if norms and not syncs_batch_norm(getattr(tower, "config", None)):
         raise UnsupportedModelError(f"{type(inner).__name__}: its {kind} at {path!r} is registered as encoding each "
                                     f"item alone, but it normalises with {norms} over the batch of items: split over "
-                                    "the CP group, each rank would normalise by its own share. Register it without "
-                                    "splitting (it then runs whole on every rank)")
+                                    "the CP group, each rank would normalise by its own share. Register it with "
+                                    "register_per_clip_encoder(..., batch_norm=True) (the statistics summed over "
+                                    "the group), or without splitting (it then runs whole on every rank)")
 
 
 def with_text_record(patcher: Patcher, language_model) -> Patcher:

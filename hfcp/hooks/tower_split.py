@@ -40,6 +40,8 @@ from ..compiler import eager
 # the last dim, lengths in feature_lens).
 # A record with vision_tower / audio_tower "auto" splits only these, and runs any other tower whole on every rank
 _SPLIT_MODES: dict[str, str] = {}
+# those of them whose batch norms normalise over every clip of a call: hfcp sums their statistics over the CP group
+_SYNCED_BATCH_NORMS: set[str] = set()
 
 
 def register_per_image_tower(model_type: str, frames_alone: bool = False) -> None:
@@ -49,17 +51,33 @@ def register_per_image_tower(model_type: str, frames_alone: bool = False) -> Non
     _SPLIT_MODES[model_type] = "frames" if frames_alone else "items"
 
 
-def register_per_clip_encoder(model_type: str, clips_in_time: bool = False) -> None:
+def register_per_clip_encoder(model_type: str, clips_in_time: bool = False, batch_norm: bool = False) -> None:
     """Declare that audio encoders of config model_type `model_type` encode each clip alone (attention, convolution
-    and normalisation within a clip: no batch statistics), so that hfcp may split their clips over the CP group;
-    clips_in_time: the encoder takes every clip's frames concatenated along its input's last dim with one
-    `feature_lens` entry per clip and returns rows per clip in clip order (Qwen2.5-Omni's); else clips along dim 0."""
+    and normalisation within a clip), so that hfcp may split their clips over the CP group; clips_in_time: the
+    encoder takes every clip's frames concatenated along its input's last dim with one `feature_lens` entry per clip
+    and returns rows per clip in clip order (Qwen2.5-Omni's); else clips along dim 0. batch_norm: all but its batch
+    norms, whose training statistics are over every clip of the call (Granite Speech's Conformer): hfcp sums them
+    over the CP group (hfcp/hooks/synced_batch_norm.py); clips along dim 0 only.
+
+    Raises:
+        ValueError: batch_norm with clips_in_time (a batch norm over concatenated clips is not implemented).
+    """
+    if batch_norm and clips_in_time:
+        raise ValueError(f"register_per_clip_encoder({model_type!r}): batch_norm=True is implemented for clips along "
+                         "dim 0, not clips_in_time")
     _SPLIT_MODES[model_type] = "time" if clips_in_time else "clips"
+    (_SYNCED_BATCH_NORMS.add if batch_norm else _SYNCED_BATCH_NORMS.discard)(model_type)
 
 
 def split_mode(config) -> str | None:
     """How hfcp splits a tower of this encoder config ("items", "frames", "clips", "time"), or None: it runs whole."""
     return _SPLIT_MODES.get(getattr(config, "model_type", None))
+
+
+def syncs_batch_norm(config) -> bool:
+    """Whether hfcp sums the batch norm statistics of a tower of this config over the CP group (registered with
+    batch_norm=True)."""
+    return getattr(config, "model_type", None) in _SYNCED_BATCH_NORMS
 
 
 def splits_tower(config) -> bool:
@@ -93,6 +111,7 @@ class TowerSplitHook(ModelHook):
         self._n = self._k = None
         self._grid = None  # a patch-sequence tower's call: (per-image patches, this rank's images, every rank's)
         self._keeps = None  # clips in time: whether this rank keeps its output rows (False: a stand-in clip)
+        self._valid = None  # clips along dim 0: which rows of this rank's share are the call's (False: padding)
 
     @eager
     def pre_forward(self, module, *args, **kwargs):
@@ -111,13 +130,21 @@ class TowerSplitHook(ModelHook):
         n = images.shape[0]
         k = -(-n // cp)
         take = torch.arange(rank * k, (rank + 1) * k, device=images.device)
-        take = torch.where(take < n, take, torch.zeros_like(take))  # padding: copies of image 0, dropped after
+        self._valid = take < n
+        take = torch.where(self._valid, take, torch.zeros_like(take))  # padding: copies of image 0, dropped after
 
         def share(v):
             return v.index_select(0, take.to(v.device)) if _is_per_image(v, n) else v
 
         self._n, self._k = n, k
         return tuple(share(a) for a in args), {name: share(v) for name, v in kwargs.items()}
+
+    def share_valid(self) -> torch.Tensor:
+        """(k,) bool: which rows of this rank's share of the current call are the call's items (False: the copies
+        of item 0 that pad it)."""
+        if self._valid is None:
+            raise RuntimeError("hfcp: a batch norm of a split encoder ran outside the encoder's call")
+        return self._valid
 
     def _split_patches(self, module, args, kwargs, grid):
         """Qwen-VL: rows of pixel patches, grid_thw (n, 3); each rank takes the patches of its images (or frames)."""
