@@ -11,12 +11,14 @@ from .pooling import pool_sequence
 from .state import cp_state
 from .loss.logps import SequenceLogps, sequence_logps
 from .families.registry import Patcher, UnsupportedModelError, register_patcher, supported_model_types
+from .pipeline import PipelineRunner, pipeline
 
 from . import patches  # noqa: E402,F401  (registers the families; installed from the repo's patches/)
 
 __all__ = [
     "patch", "unpatch", "gather_sequence", "pool_sequence", "gather_outputs", "cp_state", "data_parallel_rank_and_size",
     "average_gradients", "sequence_logps", "SequenceLogps", "balance_report", "step_imbalance",
-    "UnsupportedModelError", "CollectiveError", "Patcher", "register_patcher", "supported_model_types",
+    "UnsupportedModelError", "CollectiveError", "Patcher", "register_patcher", "supported_model_types", "pipeline",
+    "PipelineRunner",
 ]
 __version__ = "0.1.0"

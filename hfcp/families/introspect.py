@@ -34,6 +34,11 @@ def _source(cls) -> str | None:
         return None
 
 
+def forward_source(module: torch.nn.Module) -> str | None:
+    """The source of the module's class forward, or None where it cannot be read."""
+    return _source(type(module))
+
+
 def audio_config(config):
     """The config of a model's audio encoder (audio_config, or encoder_config beside a text_config), or None."""
     audio = getattr(config, "audio_config", None)

@@ -76,12 +76,13 @@ def check_call(kw: dict) -> dict | None:
 
 
 def vocab_size(module, which: str) -> int:
-    """The input or output vocabulary of a model (its embedding's rows; a DeepSpeed ZeRO-3 weight's full shape)."""
+    """The input or output vocabulary of a model (its embedding's rows; the full shape of a DeepSpeed ZeRO-3 weight or
+    of one hfcp.pipeline freed on another stage)."""
     layer = module.get_input_embeddings() if which == "input" else module.get_output_embeddings()
     weight = getattr(layer, "weight", None)
     if not isinstance(weight, torch.Tensor):
         return int(module.config.get_text_config().vocab_size)
-    shape = getattr(weight, "ds_shape", weight.shape)  # DeepSpeed ZeRO-3: a partitioned weight is empty locally
+    shape = getattr(weight, "ds_shape", None) or getattr(weight, "hfcp_full_shape", weight.shape)  # (empty locally)
     return int(shape[0])
 
 

@@ -1,0 +1,206 @@
+"""PipelineRunner: one training or evaluation step of a causal LM over pipeline stages x CP (docs/how-to/pipeline.md).
+
+The world is laid out (pp, dp, cp), cp innermost: rank = (stage * dp + d) * cp + c. Ranks of one stage and one data
+group form a CP group (hfcp.patch's consecutive blocks); a stage's rank talks to the rank of the same (d, c) in the
+stage before and after it. A microbatch's forward runs the model from the top on every stage (stage.py), so each
+stage computes the microbatch's CP layout itself from the same batch; the hidden states that travel between stages
+are this rank's shard, (rows, L / cp, hidden).
+
+The loss of a step is the one-process loss of the whole batch: each microbatch's loss is its targets' summed
+cross-entropy over the batch's target count (num_items_in_batch), so the microbatch losses add up to it and their
+gradients to its gradient. After the last backward each stage's gradients are averaged over its dp x cp ranks
+(hfcp's convention: the mean over a CP group is the one-device gradient; then over the data groups), and a weight
+tied between the first and the last stage gets the sum of both stages' gradients.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .schedule import actions
+from .stage import StageDone
+
+
+class PipelineRunner:
+    """Made by `hfcp.pipeline`; see its docstring."""
+
+    def __init__(self, model, mine: dict, layout: dict, groups: dict, schedule: str, microbatches: int, tied):
+        self.model = model
+        self._mine = mine  # {name: parameter} of this stage
+        self.stage, self.stages = layout["stage"], layout["stages"]
+        self.dp, self.cp, self.rank = layout["dp"], layout["cp"], layout["rank"]
+        self._groups, self.schedule, self.microbatches, self._tied = groups, schedule, microbatches, tied
+        self._stride = self.dp * self.cp  # ranks between one stage's rank and the next stage's
+        self._record = None  # the microbatch whose forward runs now: what its stage received
+        self._sends = []
+
+    # ---- what a training loop calls ---------------------------------------------------------------------------
+    def named_parameters(self):
+        """(name, parameter) of this rank's stage, the names as in the model given to hfcp.pipeline."""
+        return iter(self._mine.items())
+
+    def parameters(self):
+        return iter(self._mine.values())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._mine.values():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def train(self, mode: bool = True) -> "PipelineRunner":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "PipelineRunner":
+        return self.train(False)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def step(self, **batch) -> torch.Tensor:
+        """Forward and backward of the whole batch (every rank of a data group passes the same one) in
+        n_microbatches microbatches by the schedule. Returns the batch's loss on every rank (as one process computes
+        it); each of this stage's parameters then holds in .grad (added to what it held) the one-process gradient of
+        that loss, averaged over the data groups.
+
+        Raises:
+            ValueError: n_microbatches not dividing the rows, no labels, a batch tensor of another row count.
+        """
+        micro, count = self._microbatches(batch, need_labels=True)
+        kept = {p: p.grad for p in self._mine.values()}  # earlier steps' gradients: reduced already
+        for p in kept:
+            p.grad = None
+        records, losses = {}, []
+        for kind, m in actions(self.schedule, self.stage, self.stages, self.microbatches):
+            if kind == "F":
+                records[m] = self._forward(micro[m], m, count)
+                losses += [records[m]["loss"].detach()] if self.last else []
+            else:
+                self._backward(records.pop(m), m)
+        self._wait_sends()
+        self._reduce_gradients()
+        for p, g in kept.items():
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        return self._broadcast_loss(losses, batch["input_ids"].device)
+
+    @torch.no_grad()
+    def eval_step(self, **batch) -> torch.Tensor:
+        """The batch's loss (labels given) without gradients, as `step` computes it, on every rank."""
+        micro, count = self._microbatches(batch, need_labels=True)
+        records = [self._forward(micro[m], m, count) for m in range(self.microbatches)]
+        self._wait_sends()
+        return self._broadcast_loss([r["loss"] for r in records] if self.last else [], batch["input_ids"].device)
+
+    # ---- one microbatch ------------------------------------------------------------------------------------
+    def _forward(self, batch: dict, m: int, count: int) -> dict:
+        record = self._record = {"m": m}
+        kwargs = dict(batch, use_cache=False)
+        if self.last:
+            kwargs["num_items_in_batch"] = count
+        else:
+            kwargs.pop("labels", None)
+        try:
+            out = self.model(**kwargs)
+        except StageDone as done:
+            record["out"] = done.hidden
+            self._send(done.hidden.detach(), self.rank + self._stride, tag=m)
+        else:
+            if not self.last:
+                raise RuntimeError(f"hfcp.pipeline: stage {self.stage}'s forward ran past its last layer")
+            record["loss"] = out.loss
+        finally:
+            self._record = None
+        return record
+
+    def _backward(self, record: dict, m: int) -> None:
+        if self.last:
+            loss = record["loss"]
+            if loss.requires_grad:
+                loss.backward()
+        else:
+            out = record["out"]
+            grad = self._receive(out, self.rank + self._stride, tag=self.microbatches + m)
+            if out.requires_grad:
+                torch.autograd.backward(out, grad)
+        received = record.get("received")
+        if received is not None:
+            grad = received.grad if received.grad is not None else torch.zeros_like(received)
+            self._send(grad, self.rank - self._stride, tag=self.microbatches + m)
+
+    def receive_hidden(self, like: torch.Tensor) -> torch.Tensor:
+        """The previous stage's output for the microbatch whose forward runs now (stage.py's receiving layer)."""
+        record = self._record
+        if record is None:
+            raise RuntimeError("hfcp.pipeline: a stage's layers ran outside PipelineRunner.step / eval_step")
+        hidden = self._receive(like, self.rank - self._stride, tag=record["m"])
+        if torch.is_grad_enabled():
+            hidden.requires_grad_(True)
+        record["received"] = hidden
+        return hidden
+
+    # ---- point to point ------------------------------------------------------------------------------------
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        tensor = tensor.contiguous()
+        self._sends.append((dist.isend(tensor, peer, tag=tag), tensor))  # (kept alive until sent)
+
+    def _receive(self, like: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        buffer = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        dist.recv(buffer, peer, tag=tag)
+        return buffer
+
+    def _wait_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+    # ---- the step's data, loss and gradients -----------------------------------------------------------------
+    def _microbatches(self, batch: dict, need_labels: bool) -> tuple[list[dict], int]:
+        ids = batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError(f"hfcp.pipeline: input_ids of shape {tuple(getattr(ids, 'shape', ()))}; pass (rows, seq)")
+        rows = ids.shape[0]
+        if rows % self.microbatches:
+            raise ValueError(f"hfcp.pipeline: {rows} rows do not divide into n_microbatches={self.microbatches}; pass "
+                             f"a multiple of {self.microbatches} rows (or another n_microbatches)")
+        if need_labels and batch.get("labels") is None:
+            raise ValueError("hfcp.pipeline: step() and eval_step() need labels (the loss is computed on the last stage)")
+        batch = dict(batch)
+        pos = batch.get("position_ids")
+        if isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and rows > 1:
+            batch["position_ids"] = pos.expand(rows, -1)  # (a (1, seq) row for every row, split with them)
+        for name, v in batch.items():
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != rows:
+                raise ValueError(f"hfcp.pipeline: {name} has {v.shape[0]} rows, input_ids {rows}; pass one per row")
+        size = rows // self.microbatches
+        micro = [{k: (v[i * size:(i + 1) * size] if isinstance(v, torch.Tensor) and v.dim() >= 1 else v)
+                  for k, v in batch.items()} for i in range(self.microbatches)]
+        count = int((batch["labels"][:, 1:] != -100).sum())  # the batch's targets (labels shifted by one)
+        return micro, count
+
+    def _broadcast_loss(self, losses: list[torch.Tensor], device) -> torch.Tensor:
+        """The batch's loss (the sum of the last stage's microbatch losses) on every stage of this (d, c)."""
+        loss = torch.stack(losses).double().sum() if self.last else torch.zeros((), dtype=torch.float64, device=device)
+        if self.stages > 1:
+            dist.broadcast(loss, self._groups["pipe_ranks"][-1], group=self._groups["pipe"])
+        return loss.float()
+
+    def _reduce_gradients(self) -> None:
+        """This step's gradients: the mean over the stage's dp x cp ranks, then a tied weight's summed over its two
+        stages (the first and the last)."""
+        with torch.no_grad():
+            if self._stride > 1:
+                for p in self._mine.values():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=self._groups["stage"])
+                        p.grad.div_(self._stride)
+            tied = self._tied
+            if tied is not None and tied.grad is not None:
+                dist.all_reduce(tied.grad, group=self._groups["tied"])

@@ -1,0 +1,39 @@
+"""hfcp.pipeline (issue 43): pipeline stages x CP in one mesh, on 4 gloo processes, against one process: the losses,
+every gradient of each stage by its name in the model, the parameters after two AdamW steps and an eval loss."""
+import pytest
+
+import workers_pipeline as W
+
+
+def assert_exact(runs):
+    for r in runs:
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["eval_err"] < 1e-5, r
+        assert r["param_err"] < 1e-4 and not r["missing"] and r["grads"] > 0, r
+
+
+@pytest.mark.parametrize("pp, cp, schedule, micro, family, options", [
+    (2, 2, "GPipe", 2, "llama", {}),                                                  # pp 2 x cp 2
+    (2, 2, "1F1B", 4, "llama", dict(lora=True, checkpointing=True, packed=True)),     # LoRA, checkpointing, packing
+    (2, 2, "1F1B", 2, "gemma2", dict(tied=True)),  # softcaps, scaled embeddings, sliding and full layers, tied head
+    (4, 1, "1F1B", 4, "qwen3", dict(tied=True)),   # pp 4: q/k norms, the tied weight between stages 0 and 3
+    (2, 1, "GPipe", 2, "mistral", dict(packed=True)),                                 # pp 2 x dp 2, sliding window
+    (2, 1, "1F1B", 2, "llama", dict(lora=True, checkpointing=True)),                  # pp 2 x dp 2, LoRA
+])
+def test_pipeline_equals_one_process(pool4, pp, cp, schedule, micro, family, options):
+    assert_exact(pool4.run(W.compare, pp, cp, schedule, micro, family, *[options.get(k, False) for k in
+                                                                          ("lora", "checkpointing", "packed", "tied")]))
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("world", "pp_size=3 x cp_size=1 must divide the world size 2"),
+    ("schedule", "schedule='zigzag' is not one of ['GPipe', '1F1B']"),
+    ("stages", "pp_size=2 stages for 1 decoder layers"),
+    ("rows", "4 rows do not divide into n_microbatches=3"),
+    ("reentrant", "reentrant gradient checkpointing is not supported"),
+    ("hybrid", "Lfm2ForCausalLM (model_type='lfm2') has sequence mixers other than attention"),
+    ("vlm", "LlavaForConditionalGeneration (model_type='llava') is a vision-language or vision model"),
+    ("moe", "MixtralForCausalLM (model_type='mixtral') adds a MoE router aux loss"),
+])
+def test_pipeline_refuses_by_name_on_every_rank(pool2, kind, message):
+    for msg in pool2.run(W.refused, kind):
+        assert msg and message in msg, msg
