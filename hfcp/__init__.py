@@ -11,7 +11,7 @@ from .pooling import pool_sequence
 from .state import cp_state
 from .loss.logps import SequenceLogps, sequence_logps
 from .families.registry import Patcher, UnsupportedModelError, register_patcher, supported_model_types
-from .pipeline import PipelineRunner, pipeline
+from .pipeline import pipeline
 
 from . import patches  # noqa: E402,F401  (registers the families; installed from the repo's patches/)
 
@@ -19,6 +19,5 @@ __all__ = [
     "patch", "unpatch", "gather_sequence", "pool_sequence", "gather_outputs", "cp_state", "data_parallel_rank_and_size",
     "average_gradients", "sequence_logps", "SequenceLogps", "balance_report", "step_imbalance",
     "UnsupportedModelError", "CollectiveError", "Patcher", "register_patcher", "supported_model_types", "pipeline",
-    "PipelineRunner",
 ]
 __version__ = "0.1.0"

@@ -29,9 +29,10 @@ import bench_full  # noqa: E402
 
 
 def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeout=1800, chunked_cp1=False,
-            loss_chunk=1024, arch="llama"):
+            loss_chunk=1024, arch="llama", compile="none"):
     cmd = [str(HERE / "bench_step.py"), "--level", level, "--arch", arch, "--seq-len", str(seq_len), "--cp", str(cp),
-           "--strategy", strategy, "--threads", str(threads), "--repeats", str(repeats), "--loss-chunk", str(loss_chunk)]
+           "--strategy", strategy, "--threads", str(threads), "--repeats", str(repeats), "--loss-chunk", str(loss_chunk),
+           "--compile", compile]
     if chunked_cp1:
         cmd.append("--chunked-loss")
     if no_comm:

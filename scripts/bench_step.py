@@ -119,9 +119,10 @@ def model_step(args, device):
         return deepspeed_model_step(model, ids, args, device)
     if args.cp > 1:
         hfcp.patch(model, strategy=args.strategy, loss_chunk=args.loss_chunk, check_inputs=False)
+    run = compiled(model, args.compile, args.compile_backend)
 
     def step():
-        out = model(input_ids=ids, labels=ids)
+        out = run(input_ids=ids, labels=ids)
         out.loss.backward()
         return float(out.loss)
 
@@ -136,6 +137,18 @@ def model_step(args, device):
         return float(loss)
 
     return step_chunked_single if args.cp == 1 and args.chunked_loss else step
+
+
+def compiled(model, how: str, backend: str):
+    """The model to call: itself ("none"), torch.compile of it ("whole"), or accelerate's compile_regions of it
+    ("regional": each repeated block compiled)."""
+    if how == "whole":
+        return torch.compile(model, backend=backend)
+    if how == "regional":
+        from accelerate.utils import compile_regions
+
+        return compile_regions(model, backend=backend)
+    return model
 
 
 def attention_step(args, device):
@@ -273,6 +286,9 @@ def main():
     ap.add_argument("--no-comm", action="store_true")
     ap.add_argument("--chunked-loss", action="store_true", help="cp=1: use hfcp's chunked loss too")
     ap.add_argument("--loss-chunk", type=int, default=1024)
+    ap.add_argument("--compile", choices=["none", "regional", "whole"], default="none",
+                    help="model level: torch.compile the (patched) model; its first steps compile, untimed")
+    ap.add_argument("--compile-backend", default="inductor")
     args = ap.parse_args()
     fix_mmap_threshold()
     torch.set_num_threads(args.threads)
@@ -283,6 +299,8 @@ def main():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     step = (model_step if args.level == "model" else attention_step)(args, device)
     loss = step()  # warm-up (plans, allocator)
+    if args.compile != "none":  # the first step compiled; a second one may recompile what its inputs changed
+        loss = step()
     times, cpu_times, mems = [], [], []
     for _ in range(args.repeats):
         with PeakRSS(device) as mem:
@@ -297,7 +315,7 @@ def main():
               "no_comm": args.no_comm, "threads": args.threads,
               "chunked_cp1": bool(args.chunked_loss and args.cp == 1), "time_s": sorted(times)[len(times) // 2],
               "cpu_s": sorted(cpu_times)[len(cpu_times) // 2],
-              "peak_mem_mb": max(mems), "loss": loss}
+              "peak_mem_mb": max(mems), "loss": loss, "compile": args.compile}
     if args.cp > 1:
         import torch.distributed as dist
 
