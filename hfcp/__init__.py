@@ -11,7 +11,7 @@ from .pooling import pool_sequence
 from .state import cp_state
 from .loss.logps import SequenceLogps, sequence_logps
 from .families.registry import Patcher, UnsupportedModelError, register_patcher, supported_model_types
-from .pipeline import pipeline
+from .pipelining import pipeline
 
 from . import patches  # noqa: E402,F401  (registers the families; installed from the repo's patches/)
 

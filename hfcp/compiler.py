@@ -10,16 +10,20 @@ norms, MLPs, RoPE) is compiled; docs/how-to/compile.md counts the graphs.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
+
+_TAKES_REASON = "reason" in inspect.signature(torch.compiler.disable).parameters  # (torch 2.8 and later)
 
 
 def eager(fn):
     """`fn`, run eagerly (with everything it calls) when a compiled region calls it: a graph break there. Dynamo's
     error under `fullgraph=True` gives the reason."""
     name = getattr(fn, "__qualname__", None) or repr(fn)
-    return torch.compiler.disable(fn, recursive=True, reason=(
-        f"hfcp's {name} reads the step's layout or communicates over the CP group, so it runs eagerly between "
-        "compiled graphs (a graph break); compile a patched model without fullgraph=True"))
+    reason = (f"hfcp's {name} reads the step's layout or communicates over the CP group, so it runs eagerly between "
+              "compiled graphs (a graph break); compile a patched model without fullgraph=True")
+    return torch.compiler.disable(fn, recursive=True, **({"reason": reason} if _TAKES_REASON else {}))
 
 
 def compiling() -> bool:

@@ -83,6 +83,7 @@ class CPState:
     loss_chunk: int | str | None = "auto"  # the setting, or None where the model's logits are needed
     logit_transform: LogitTransform = IDENTITY  # what the model does to its head's output (the chunked loss applies it)
     modules: list = field(default_factory=list)  # the attention modules
+    ran_modules: list | None = None  # those each forward calls, where not all (a pipeline stage's own)
     attention_group: object = None  # what the strategy communicates over: the CP group, or usp's sub-groups
     router_aux: object = None  # RouterAux, None (no aux loss in the forward) or why hfcp cannot compute it
     layer_steps: object = None  # hfcp.mixers.binding.LayerSteps: the step each mixer call (and its recompute) belongs to

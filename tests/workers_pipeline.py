@@ -16,14 +16,20 @@ ROWS, LENGTH = 4, 32
 
 
 def tiny(family: str, layers: int = 4, tied: bool = False):
+    """family: a tiny_model family, "gemma2" (sliding and full layers alternating) or "gemma2_split" (the first
+    half sliding, the second full: each stage of two has other masks, while the packed rows' balanced layout is
+    planned for the whole model on every stage)."""
     import transformers as T
 
     from workers_model import tiny_model
 
-    if family == "gemma2":  # softcaps (attention and final logits), scaled embeddings, sliding and full layers
+    if family.startswith("gemma2"):  # softcaps (attention and final logits), scaled embeddings, sliding and full layers
+        types = ["sliding_attention"] * (layers // 2) + ["full_attention"] * (layers - layers // 2) \
+            if family == "gemma2_split" else None
         cfg = T.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                             sliding_window=6, attn_implementation="eager", tie_word_embeddings=tied)
+                             sliding_window=6, attn_implementation="eager", tie_word_embeddings=tied,
+                             layer_types=types)
         torch.manual_seed(0)
         model = T.Gemma2ForCausalLM(cfg).float()
     else:
@@ -42,8 +48,9 @@ def batch(seed: int, packed: bool = False) -> dict:
     labels[:, :3] = -100
     labels[1, 20:] = -100  # rows with different target counts: a mean of microbatch means would differ
     out = {"input_ids": ids, "labels": labels}
-    if packed:  # documents restarting inside each row
-        out["position_ids"] = torch.cat([torch.arange(13), torch.arange(LENGTH - 13)])[None].repeat(ROWS, 1)
+    if packed:  # documents restarting inside each row, at other places in each
+        out["position_ids"] = torch.stack([torch.cat([torch.arange(13 + 3 * r), torch.arange(LENGTH - 13 - 3 * r)])
+                                           for r in range(ROWS)])
     return out
 
 
@@ -59,12 +66,13 @@ def _prepare(family, lora, checkpointing, tied):
                 if "lora_B" in n:
                     p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     return model
 
 
 def compare(pp: int, cp: int, schedule: str, microbatches: int = 2, family: str = "llama", lora: bool = False,
-            checkpointing: bool = False, packed: bool = False, tied: bool = False, strategy: str = "ring") -> dict:
+            checkpointing: bool | str = False, packed: bool = False, tied: bool = False, strategy: str = "ring") -> dict:
+    """checkpointing: True (non-reentrant) or "reentrant"."""
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // (pp * cp)
     d = (rank // cp) % dp
@@ -72,6 +80,7 @@ def compare(pp: int, cp: int, schedule: str, microbatches: int = 2, family: str 
     model = _prepare(family, lora, checkpointing, tied)
     runner = hfcp.pipeline(model, pp_size=pp, cp_size=cp, schedule=schedule, n_microbatches=microbatches,
                            strategy=strategy, timeout=60)
+    assert hfcp.data_parallel_rank_and_size(model) == (d, dp)  # the data groups to shard a dataset by
     ref_params = dict(ref.named_parameters())
     opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     opt = torch.optim.AdamW([p for _, p in runner.named_parameters() if p.requires_grad], lr=1e-2)
@@ -108,6 +117,11 @@ def refused(kind: str) -> str | None:
     model = tiny("llama")
 
     def other(kind):
+        if kind == "opt":  # position embeddings: parameters the forward uses before the layers
+            import transformers as T
+
+            return T.OPTForCausalLM(T.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                                num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32))
         if kind == "hybrid":  # short convolutions: their halos would have to cross stages
             from workers_mixers import tiny_hybrid
 
@@ -127,9 +141,10 @@ def refused(kind: str) -> str | None:
         "schedule": lambda: hfcp.pipeline(model, pp_size=2, schedule="zigzag"),
         "stages": lambda: hfcp.pipeline(tiny("llama", layers=1), pp_size=2),
         "rows": lambda: hfcp.pipeline(model, pp_size=2, n_microbatches=3).step(**batch(0)),
-        "reentrant": lambda: (model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True}),
-                              hfcp.pipeline(model, pp_size=2)),
-        **{k: (lambda k=k: hfcp.pipeline(other(k), pp_size=2)) for k in ("hybrid", "vlm", "moe")},
+        **{k: (lambda k=k: hfcp.pipeline(other(k), pp_size=2)) for k in ("hybrid", "vlm", "moe", "opt")},
+        "ignore_index": lambda: hfcp.pipeline(model, pp_size=2).step(**batch(0), ignore_index=-1),
+        "patched": lambda: hfcp.pipeline(hfcp.patch(model), pp_size=2),
+        "other_batches": lambda: hfcp.pipeline(model, pp_size=2).step(**batch(dist.get_rank())),
     }
     try:
         calls[kind]()

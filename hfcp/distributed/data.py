@@ -14,8 +14,15 @@ def data_parallel_rank_and_size(model) -> tuple[int, int]:
 
     A patched model: its mesh's dp coordinates (ranks of one CP group, and of one TP group, share dp_rank).
     Unpatched: every process is its own data-parallel rank (plain DDP), the ranks of one TP group share one for a
-    tensor-parallel model, and (0, 1) without torch.distributed.
+    tensor-parallel model, and (0, 1) without torch.distributed. A model split by hfcp.pipeline: its data groups
+    (every stage and CP rank of one shares a batch).
     """
+    try:
+        pipelined = getattr(find_pretrained(model), "_hfcp_pipeline_data", None)
+    except TypeError:  # not a transformers model
+        pipelined = None
+    if pipelined is not None:
+        return pipelined
     state = cp_state(model)
     if state is not None:
         return state.mesh.dp_rank, state.mesh.dp_size

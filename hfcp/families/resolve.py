@@ -123,6 +123,12 @@ def _check_split_tower(inner, kind: str, path: str) -> None:
                                     "the CP group, each rank would normalise by its own share. Register it with "
                                     "register_per_clip_encoder(..., batch_norm=True) (the statistics summed over "
                                     "the group), or without splitting (it then runs whole on every rank)")
+    hooked = sorted({type(m).__name__ for m in tower.modules()
+                     if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and "forward" in m.__dict__})
+    if norms and hooked:  # (hfcp sums their statistics through a forward of its own)
+        raise UnsupportedModelError(f"{type(inner).__name__}: the batch norms {hooked} of its {kind} at {path!r} "
+                                    "already have a forward of their own (a hook of another library): hfcp cannot sum "
+                                    "their statistics over the CP group")
 
 
 def with_text_record(patcher: Patcher, language_model) -> Patcher:

@@ -34,10 +34,11 @@ def swap_forward(module, forward):
 def check_attention_ran(state, module) -> None:
     """Raises RuntimeError when a patched attention module ran this forward without calling hfcp's attention
     function (for example after model.set_attn_implementation(...) on a patched model): its output is wrong."""
-    missed = [m for m in state.modules if id(m) not in state.fwd.attention_calls]
+    expected = state.modules if state.ran_modules is None else state.ran_modules
+    missed = [m for m in expected if id(m) not in state.fwd.attention_calls]
     if missed:
         raise RuntimeError(
-            f"{len(missed)} of {len(state.modules)} attention modules of {type(module).__name__} ({type(missed[0]).__name__}) "
+            f"{len(missed)} of {len(expected)} attention modules of {type(module).__name__} ({type(missed[0]).__name__}) "
             f"ran this forward without hfcp's attention (attn_implementation is now "
             f"{module.config._attn_implementation!r}), so they attended within this rank's shard only and the outputs "
             "are wrong. Do not change the attention implementation of a patched model: hfcp.unpatch(model) first"

@@ -23,16 +23,9 @@ from ..distributed.collectives import all_reduce_sum
 def bind_batch_norms(tower: torch.nn.Module, valid_rows, group) -> list[torch.nn.Module]:
     """Give every batch norm of `tower` the group's statistics in training. valid_rows(): (k,) bool, which rows of
     this rank's share of the current call are clips of the batch (False: the copies that pad the share). Returns
-    the modules, for `unbind_batch_norms`.
-
-    Raises:
-        ValueError: a batch norm with a forward of its own already (another library's hook).
-    """
+    the modules, for `unbind_batch_norms`. (A batch norm with a forward of its own is refused at patch time:
+    hfcp/families/resolve.py.)"""
     norms = [m for m in tower.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    for m in norms:
-        if "forward" in m.__dict__:
-            raise ValueError(f"hfcp: {type(m).__name__} in {type(tower).__name__} already has a forward of its own (a "
-                             "hook of another library): hfcp cannot sum its statistics over the CP group")
     for m in norms:
         m.forward = types.MethodType(eager(_synced_forward(valid_rows, group)), m)
     return norms
@@ -58,6 +51,7 @@ def synced_batch_norm(bn, x: torch.Tensor, valid: torch.Tensor, group) -> torch.
     if valid.shape != x.shape[:1]:
         raise RuntimeError(f"hfcp: {type(bn).__name__} got {x.shape[0]} rows, but this rank's share of the encoder's "
                            f"call holds {valid.shape[0]}: a batch norm over other rows than the encoder's clips")
+    dtype, x = x.dtype, x.float()  # (statistics in fp32, as torch's batch norm keeps them for bf16 / fp16 inputs)
     shape = (1, -1) + (1,) * (x.dim() - 2)  # a channel's values broadcast over (rows, channel, frames...)
     dims = [0, *range(2, x.dim())]
     weight = valid.to(x.dtype).view(-1, *(1,) * (x.dim() - 1))
@@ -69,11 +63,12 @@ def synced_batch_norm(bn, x: torch.Tensor, valid: torch.Tensor, group) -> torch.
     var = all_reduce_sum((centred.square() * weight).sum(dims), group) / n  # biased, as normalisation uses
     out = centred * torch.rsqrt(var + bn.eps).view(shape)
     if bn.affine:
-        out = out * bn.weight.view(shape) + bn.bias.view(shape)
+        out = out * bn.weight.float().view(shape) + bn.bias.float().view(shape)
     if bn.training and bn.track_running_stats:
         with torch.no_grad():
             bn.num_batches_tracked.add_(1)
             factor = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
-            bn.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
-            bn.running_var.mul_(1 - factor).add_(var.detach() * n / (n - 1).clamp(min=1), alpha=factor)
-    return out
+            bn.running_mean.mul_(1 - factor).add_(mean.detach().to(bn.running_mean.dtype), alpha=factor)
+            unbiased = var.detach() * n / (n - 1).clamp(min=1)
+            bn.running_var.mul_(1 - factor).add_(unbiased.to(bn.running_var.dtype), alpha=factor)
+    return out.to(dtype)

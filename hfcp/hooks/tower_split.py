@@ -66,7 +66,10 @@ def register_per_clip_encoder(model_type: str, clips_in_time: bool = False, batc
         raise ValueError(f"register_per_clip_encoder({model_type!r}): batch_norm=True is implemented for clips along "
                          "dim 0, not clips_in_time")
     _SPLIT_MODES[model_type] = "time" if clips_in_time else "clips"
-    (_SYNCED_BATCH_NORMS.add if batch_norm else _SYNCED_BATCH_NORMS.discard)(model_type)
+    if batch_norm:
+        _SYNCED_BATCH_NORMS.add(model_type)
+    else:
+        _SYNCED_BATCH_NORMS.discard(model_type)
 
 
 def split_mode(config) -> str | None:

@@ -9,6 +9,12 @@ from __future__ import annotations
 SCHEDULES = ("GPipe", "1F1B")
 
 
+def check_schedule(schedule) -> None:
+    """Raises ValueError for a schedule other than SCHEDULES'."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {list(SCHEDULES)}")
+
+
 def actions(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
     """This stage's actions for one step.
 
@@ -19,11 +25,10 @@ def actions(schedule: str, stage: int, stages: int, microbatches: int) -> list[t
     Raises:
         ValueError: an unknown schedule.
     """
+    check_schedule(schedule)
     m = microbatches
     if schedule == "GPipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    if schedule == "1F1B":
-        warm = min(stages - 1 - stage, m)
-        steady = [a for i in range(m - warm) for a in (("F", warm + i), ("B", i))]
-        return [("F", i) for i in range(warm)] + steady + [("B", i) for i in range(m - warm, m)]
-    raise ValueError(f"schedule={schedule!r} is not one of {list(SCHEDULES)}")
+    warm = min(stages - 1 - stage, m)  # 1F1B
+    steady = [a for i in range(m - warm) for a in (("F", warm + i), ("B", i))]
+    return [("F", i) for i in range(warm)] + steady + [("B", i) for i in range(m - warm, m)]

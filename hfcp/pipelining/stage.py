@@ -34,10 +34,10 @@ def layer_ranges(layers: int, stages: int) -> list[range]:
     return [range(starts[s], starts[s + 1]) for s in range(stages)]
 
 
-def bind_stage(layers: list, own: range, embeddings: torch.nn.Module, receive, first: bool, last: bool) -> list:
+def bind_stage(layers: list, own: range, embeddings: torch.nn.Module, receive, first: bool) -> None:
     """Replace the forwards of the layers outside `own` (and stage > 0's embeddings) as the module docstring says.
-    receive(like): the hidden states from the previous stage, shaped like `like`. Returns what unbind_stage undoes."""
-    bound = []
+    receive(like): the hidden states from the previous stage, shaped like `like`. For good: the model serves this
+    stage from now on (hfcp.unpatch does not give it its layers back)."""
     for i, layer in enumerate(layers):
         if i in own:
             continue
@@ -47,21 +47,11 @@ def bind_stage(layers: list, own: range, embeddings: torch.nn.Module, receive, f
             forward = _stopping
         else:
             forward = _passing
-        bound.append((layer, getattr(layer, "gradient_checkpointing", None)))
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False  # (nothing of theirs to recompute)
         layer.forward = forward
     if not first:
-        bound.append((embeddings, None))
         embeddings.forward = _zeros_like_embeddings(embeddings)
-    return bound
-
-
-def unbind_stage(bound: list) -> None:
-    for module, checkpointing in bound:
-        del module.forward
-        if checkpointing is not None:
-            module.gradient_checkpointing = checkpointing
 
 
 def _passing(hidden_states, *args, **kwargs):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..checks import batch_digest
+from ..distributed.collectives import all_gather_no_grad
 from .schedule import actions
 from .stage import StageDone
 
@@ -24,15 +26,17 @@ from .stage import StageDone
 class PipelineRunner:
     """Made by `hfcp.pipeline`; see its docstring."""
 
-    def __init__(self, model, mine: dict, layout: dict, groups: dict, schedule: str, microbatches: int, tied):
-        self.model = model
+    def __init__(self, model, mine: dict, layout: dict, groups: dict, schedule: str, microbatches: int, tied,
+                 check_inputs: bool = True):
+        self.model, self.check_inputs = model, check_inputs
         self._mine = mine  # {name: parameter} of this stage
         self.stage, self.stages = layout["stage"], layout["stages"]
         self.dp, self.cp, self.rank = layout["dp"], layout["cp"], layout["rank"]
         self._groups, self.schedule, self.microbatches, self._tied = groups, schedule, microbatches, tied
         self._stride = self.dp * self.cp  # ranks between one stage's rank and the next stage's
         self._record = None  # the microbatch whose forward runs now: what its stage received
-        self._sends = []
+        self._pending = []  # sends not posted yet: (tensor, peer, tag), posted with the next receive from that peer
+        self._sends = []  # posted sends: (work, tensor), waited for at the end of the step
 
     # ---- what a training loop calls ---------------------------------------------------------------------------
     def named_parameters(self):
@@ -78,12 +82,14 @@ class PipelineRunner:
         for p in kept:
             p.grad = None
         records, losses = {}, []
-        for kind, m in actions(self.schedule, self.stage, self.stages, self.microbatches):
+        order = actions(self.schedule, self.stage, self.stages, self.microbatches)
+        for i, (kind, m) in enumerate(order):
             if kind == "F":
                 records[m] = self._forward(micro[m], m, count)
                 losses += [records[m]["loss"].detach()] if self.last else []
             else:
                 self._backward(records.pop(m), m)
+            self._post_sends(keep_for=self._first_peer(order[i + 1]) if i + 1 < len(order) else None)
         self._wait_sends()
         self._reduce_gradients()
         for p, g in kept.items():
@@ -95,7 +101,10 @@ class PipelineRunner:
     def eval_step(self, **batch) -> torch.Tensor:
         """The batch's loss (labels given) without gradients, as `step` computes it, on every rank."""
         micro, count = self._microbatches(batch, need_labels=True)
-        records = [self._forward(micro[m], m, count) for m in range(self.microbatches)]
+        records = []
+        for m in range(self.microbatches):
+            records.append(self._forward(micro[m], m, count))
+            self._post_sends(keep_for=self._first_peer(("F", m + 1)) if m + 1 < self.microbatches else None)
         self._wait_sends()
         return self._broadcast_loss([r["loss"] for r in records] if self.last else [], batch["input_ids"].device)
 
@@ -147,16 +156,41 @@ class PipelineRunner:
         return hidden
 
     # ---- point to point ------------------------------------------------------------------------------------
+    # A send waits for the action that follows: when that action starts by receiving from the same peer (1F1B's
+    # steady state: an activation out, then a gradient in), both are posted together in one batch_isend_irecv,
+    # which NCCL needs (its sends and receives between two ranks run in posting order on one stream: a send posted
+    # before the receive the peer waits for would never start); otherwise the send is posted at once.
+    def _first_peer(self, action) -> int | None:
+        """The peer the action receives from first: a forward from the previous stage, a backward from the next."""
+        kind, _ = action
+        if kind == "F":
+            return None if self.first else self.rank - self._stride
+        return None if self.last else self.rank + self._stride
+
     def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        tensor = tensor.contiguous()
-        self._sends.append((dist.isend(tensor, peer, tag=tag), tensor))  # (kept alive until sent)
+        self._pending.append((tensor.contiguous(), peer, tag))
+
+    def _post_sends(self, keep_for: int | None = None) -> None:
+        """Post the pending sends, but those to `keep_for` (they go with the next receive from it)."""
+        kept = [s for s in self._pending if s[1] == keep_for]
+        for tensor, peer, tag in self._pending:
+            if peer != keep_for:
+                self._sends.append((dist.isend(tensor, peer, tag=tag), tensor))  # (kept alive until sent)
+        self._pending = kept
 
     def _receive(self, like: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        """A tensor shaped like `like` from `peer`, received together with the pending sends to that peer."""
         buffer = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        dist.recv(buffer, peer, tag=tag)
+        self._post_sends(keep_for=peer)
+        ops = [dist.P2POp(dist.isend, t, p, tag=tag_) for t, p, tag_ in self._pending]
+        works = dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, buffer, peer, tag=tag)])
+        self._sends += [(w, t) for w, (t, _, _) in zip(works, self._pending)]
+        self._pending = []
+        works[-1].wait()
         return buffer
 
     def _wait_sends(self) -> None:
+        self._post_sends()
         for work, _ in self._sends:
             work.wait()
         self._sends = []
@@ -172,6 +206,10 @@ class PipelineRunner:
                              f"a multiple of {self.microbatches} rows (or another n_microbatches)")
         if need_labels and batch.get("labels") is None:
             raise ValueError("hfcp.pipeline: step() and eval_step() need labels (the loss is computed on the last stage)")
+        other = sorted(k for k in ("num_items_in_batch", "ignore_index", "shift_labels") if batch.get(k) is not None)
+        if other:  # the step counts the batch's targets itself: labels[:, 1:] != -100
+            raise ValueError(f"hfcp.pipeline: {', '.join(other)} passed to a step: the step computes the loss over the "
+                             "batch's targets (labels shifted by one, -100 ignored) itself; pass labels only")
         batch = dict(batch)
         pos = batch.get("position_ids")
         if isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and rows > 1:
@@ -183,7 +221,23 @@ class PipelineRunner:
         micro = [{k: (v[i * size:(i + 1) * size] if isinstance(v, torch.Tensor) and v.dim() >= 1 else v)
                   for k, v in batch.items()} for i in range(self.microbatches)]
         count = int((batch["labels"][:, 1:] != -100).sum())  # the batch's targets (labels shifted by one)
+        if self.check_inputs and self.stages > 1:
+            self._check_same_batch(batch)
         return micro, count
+
+    def _check_same_batch(self, batch: dict) -> None:
+        """Every stage of this (d, c) line must get the same batch (each computes the layout, the last the targets,
+        from its own): one small all-gather of digests, after which every rank raises alike."""
+        names = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)))
+        device = batch["input_ids"].device if dist.get_backend(self._groups["pipe"]) == "nccl" else None
+        every = all_gather_no_grad(batch_digest(batch, names, device)[None], self._groups["pipe"], dim=0).cpu()
+        differs = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
+        if differs:
+            ranks = self._groups["pipe_ranks"]
+            raise ValueError(f"hfcp.pipeline: the stages of one data group got different batches (global ranks "
+                             f"{[ranks[r] for r in differs]} differ from rank {ranks[0]}): every rank of a data group "
+                             "passes the same full batch; shard the data by hfcp.data_parallel_rank_and_size(model), "
+                             "which gives the pipeline's data groups")
 
     def _broadcast_loss(self, losses: list[torch.Tensor], device) -> torch.Tensor:
         """The batch's loss (the sum of the last stage's microbatch losses) on every stage of this (d, c)."""
@@ -197,10 +251,14 @@ class PipelineRunner:
         stages (the first and the last)."""
         with torch.no_grad():
             if self._stride > 1:
-                for p in self._mine.values():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad, group=self._groups["stage"])
-                        p.grad.div_(self._stride)
+                params = [p for p in self._mine.values() if p.requires_grad]
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                                  for p in params]  # (every gradient, then which ranks had one)
+                                 + [torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)])
+                dist.all_reduce(flat, group=self._groups["stage"])
+                had = flat[-len(params):]
+                for p, g, n in zip(params, flat[:-len(params)].split([p.numel() for p in params]), had):
+                    p.grad = (g / self._stride).view_as(p).to(p.dtype) if n > 0 else None  # (no rank's: none)
             tied = self._tied
             if tied is not None and tied.grad is not None:
                 dist.all_reduce(tied.grad, group=self._groups["tied"])

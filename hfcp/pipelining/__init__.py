@@ -12,10 +12,9 @@ from ..api import patch
 from ..families.introspect import decoder_layers, forward_source
 from ..families.registry import UnsupportedModelError
 from ..families.resolve import patcher_for, plan_patch, router_aux_for
-from ..integrations.ddp_options import reentrant_checkpointing
 from ..state import Settings, cp_state, find_pretrained
 from .runner import PipelineRunner
-from .schedule import SCHEDULES
+from .schedule import check_schedule
 from .stage import bind_stage, free_other_parameters, layer_ranges, stage_parameters
 
 log = logging.getLogger("hfcp")
@@ -50,6 +49,7 @@ def pipeline(model, pp_size: int, cp_size: int = 1, schedule: str = "1F1B", n_mi
     world, rank = _check_world(pp_size, cp_size, schedule, n_microbatches)
     inner = find_pretrained(model)
     layers = _check_model(model, inner, pp_size, cp_size, strategy)
+    _check_patched(inner, cp_size, dict(strategy=strategy, **patch_options))
     dp = world // (pp_size * cp_size)
     stage = rank // (dp * cp_size)
     groups = _groups(pp_size, dp, cp_size, rank, inner)
@@ -60,12 +60,14 @@ def pipeline(model, pp_size: int, cp_size: int = 1, schedule: str = "1F1B", n_mi
     mine = stage_parameters(model, inner, layers, own, first, last)
     tied = inner.get_input_embeddings().weight if groups.get("tied") is not None and (first or last) else None
     layout = dict(stage=stage, stages=pp_size, dp=dp, cp=cp_size, rank=rank)
-    runner = PipelineRunner(model, mine, layout, groups, schedule, n_microbatches, tied)
-    bind_stage(layers, own, inner.get_input_embeddings(), runner.receive_hidden, first, last)
+    runner = PipelineRunner(model, mine, layout, groups, schedule, n_microbatches, tied,
+                            patch_options.get("check_inputs", True))
+    bind_stage(layers, own, inner.get_input_embeddings(), runner.receive_hidden, first)
     state = cp_state(inner)
-    if state is not None:  # the check that every attention module ran: this stage's only
+    if state is not None:  # each forward runs this stage's attention modules only (the layout plans for all)
         owned = {id(m) for i in own for m in layers[i].modules()}
-        state.modules = [m for m in state.modules if id(m) in owned]
+        state.ran_modules = [m for m in state.modules if id(m) in owned]
+    inner._hfcp_pipeline_data = ((rank // cp_size) % dp, dp)  # hfcp.data_parallel_rank_and_size: the data groups
     freed = free_other_parameters(model, mine)
     log.info("hfcp: pipeline stage %d of %d (layers %d-%d), dp=%d x cp=%d, %s, %d microbatches; %d parameters freed",
              stage, pp_size, own.start, own.stop - 1, dp, cp_size, schedule, n_microbatches, freed)
@@ -76,8 +78,10 @@ def _check_world(pp_size, cp_size, schedule, n_microbatches) -> tuple[int, int]:
     for name, value in (("pp_size", pp_size), ("cp_size", cp_size), ("n_microbatches", n_microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"hfcp.pipeline: {name}={value!r} must be a positive integer")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"hfcp.pipeline: schedule={schedule!r} is not one of {list(SCHEDULES)}")
+    try:
+        check_schedule(schedule)
+    except ValueError as e:
+        raise ValueError(f"hfcp.pipeline: {e}") from None
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("hfcp.pipeline needs torch.distributed: launch with torchrun or accelerate launch")
     world = dist.get_world_size()
@@ -113,10 +117,35 @@ def _check_model(model, inner, pp_size, cp_size, strategy) -> list:
     if pp_size > len(layers):
         raise ValueError(f"hfcp.pipeline: pp_size={pp_size} stages for {len(layers)} decoder layers; at most one "
                          "stage per layer")
-    if reentrant_checkpointing(None, model):
-        raise ValueError("hfcp.pipeline: reentrant gradient checkpointing is not supported (a stage's backward is "
-                         "called on its outputs); enable it with gradient_checkpointing_kwargs={'use_reentrant': False}")
+    _check_parameters_around_layers(body, holder, inner.get_input_embeddings(), source, name)
     return layers
+
+
+def _check_parameters_around_layers(body, holder, embeddings, source: str, name: str) -> None:
+    """Stage 0 holds the input embeddings, the last stage what the forward calls after the layers (the final norm):
+    a module with parameters that the forward calls before the layers (OPT's position embeddings, an embedding
+    norm) would run on stages that do not hold it. Read from the forward's source; refused by name."""
+    loop = source.index("= decoder_layer(")
+    for child_name, child in body.named_children():
+        if child is holder or child is embeddings or not any(True for _ in child.parameters()):
+            continue
+        used = f"self.{child_name}"
+        if used in source[:loop] or used not in source[loop:]:
+            raise UnsupportedModelError(
+                f"hfcp.pipeline: {name}'s forward calls {child_name} ({type(child).__name__}, with parameters) "
+                "before its decoder layers, or not after them: a pipeline stage holds the input embeddings (the "
+                "first) or what runs after the layers (the last), so this model is not supported by hfcp.pipeline")
+
+
+def _check_patched(inner, cp_size: int, options: dict) -> None:
+    """A model patched already must be patched with this CP size and these options (no collective)."""
+    state = cp_state(inner)
+    if state is None:
+        return
+    if cp_size == 1 or state.mesh.cp_size != cp_size or state.settings.differences(options):
+        raise ValueError(f"hfcp.pipeline: the model is patched already (cp {state.mesh.cp_size}, "
+                         f"{state.settings.strategy}), not as cp_size={cp_size} with {options}: pass the model "
+                         "unpatched (hfcp.unpatch(model)); hfcp.pipeline patches each stage itself")
 
 
 def _groups(pp, dp, cp, rank, inner) -> dict:
