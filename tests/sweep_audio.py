@@ -331,3 +331,18 @@ def batch_norm_split(model_type: str, mixed: bool = False) -> dict:
     return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
             "same_keys": grads.keys() == ref_grads.keys(), "stats_err": stats_err, "norms": len(norms),
             "eval_err": eval_err, "took": took, "tracked": [int(b.num_batches_tracked) for _, b in norms][:1]}
+
+
+def synced_batch_norm_bf16() -> dict:
+    """hfcp's synced batch norm against torch's on the same bf16 input (channel means of 100: the statistics must be
+    taken in fp32), both measured against an fp64 reference; and the output's dtype."""
+    from hfcp.hooks.synced_batch_norm import synced_batch_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 8, 2000, generator=g) + 100).bfloat16()
+    ours, theirs = torch.nn.BatchNorm1d(8), torch.nn.BatchNorm1d(8)
+    want = torch.nn.functional.batch_norm(x.double(), None, None, training=True, eps=ours.eps)
+    got = synced_batch_norm(ours, x, torch.ones(3, dtype=torch.bool), dist.group.WORLD)
+    return {"ours": float((got.detach().double() - want).abs().max()),
+            "torch": float((theirs(x).detach().double() - want).abs().max()),
+            "dtype": str(got.dtype)}

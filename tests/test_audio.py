@@ -118,6 +118,11 @@ def test_batch_norm_encoder_split_with_the_groups_statistics_cp2(pool2, model_ty
         assert r["took"] == [1, 1] if mixed else r["took"] == [2, 2], r  # (a forward in training, one in eval)
 
 
+def test_synced_batch_norm_keeps_bf16_statistics_in_fp32(pool1):
+    r = pool1.run(S.synced_batch_norm_bf16)[0]
+    assert r["dtype"] == "torch.bfloat16" and r["ours"] <= 2 * r["torch"], r  # (in bf16 itself: 35x torch's error)
+
+
 def test_batch_norm_encoder_split_cp4(pool4):
     """Three clips over four ranks: rank 3's share is only the copy that pads it, which counts for nothing."""
     for r in pool4.run(S.batch_norm_split, "granite_speech", False, timeout=300):
