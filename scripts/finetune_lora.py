@@ -89,6 +89,13 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-docs", type=int,
                     help="held-out documents / videos / pairs evaluated (default: text 8, video, dpo 64)")
+    ap.add_argument("--pp", type=int,
+                    help="pipeline stages (hfcp.pipeline, 1F1B): the decoder layers split over --pp stages of cp ranks "
+                         "each (cp: --cp-size, default processes / pp); the text task's LoRA "
+                         "(scripts/pipeline_finetune.py)")
+    ap.add_argument("--microbatches", type=int,
+                    help="--pp: microbatches of a step's rows through the stages (default: --batch-size, one row "
+                         "each)")
     ap.add_argument("--full-finetune", action="store_true",
                     help="train every parameter (no LoRA), sharded with FSDP2 over all processes (scripts/full_finetune.py)")
     args = ap.parse_args(argv)
@@ -105,6 +112,7 @@ def parse_args(argv=None):
     for name, value in TASK_DEFAULTS[args.task].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    check_pipeline_options(args)
     return args
 
 
@@ -130,6 +138,22 @@ def check_dpo_options(args) -> None:
     if given:
         fail(f"{', '.join(given)}: the dpo task trains the embedded tiny Llama with LoRA on preference pairs generated "
              f"after key documents; {given[0]} is for --task text")
+
+
+def check_pipeline_options(args) -> None:
+    """--pp / --microbatches: the text task's LoRA mode, rows that divide into the microbatches."""
+    if args.pp is None:
+        if args.microbatches is not None:
+            fail(f"--microbatches {args.microbatches}: an option of --pp (pipeline stages)")
+        return
+    given = [flag for flag, value in (("--task", args.task != "text"), ("--full-finetune", args.full_finetune),
+                                      ("--save-every", args.save_every), ("--resume-from", args.resume_from)) if value]
+    if given:
+        fail(f"{', '.join(given)}: --pp runs the text task's LoRA fine-tune in one go (no checkpoints to resume)")
+    args.microbatches = args.microbatches or args.batch_size
+    if args.pp < 1 or args.microbatches < 1 or args.batch_size % args.microbatches:
+        fail(f"--pp {args.pp} and --microbatches {args.microbatches} must be positive, and the microbatches must "
+             f"divide --batch-size {args.batch_size}")
 
 
 def check_grpo_options(args) -> None:
@@ -170,9 +194,12 @@ def validate(args, world: int) -> list[str] | None:
     if args.full_finetune and (args.resume_from or args.save_every):
         fail("--full-finetune saves the trained model once, at the end: --save-every and --resume-from are for the "
              "LoRA mode")
-    cp = args.cp_size or world
+    stages = args.pp or 1
+    cp = args.cp_size or max(1, world // stages)
     if cp < 1 or world % cp:
         fail(f"--cp-size {args.cp_size} must divide the number of processes ({world})")
+    if args.pp and world > 1 and world % (stages * cp):
+        fail(f"--pp {args.pp} x cp {cp} must divide the number of processes ({world})")
     if args.grad_accum < 1 or args.max_steps < 1 or args.batch_size < 1:
         fail(f"--grad-accum {args.grad_accum}, --max-steps {args.max_steps}, --batch-size {args.batch_size} must be "
              f"positive")
@@ -324,7 +351,7 @@ def make_recorder(out_dir: Path, start_step: int, tokens_per_step: int, device, 
 def main(argv=None):
     args = parse_args(argv)
     texts = validate(args, int(os.environ.get("WORLD_SIZE", "1")))
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import TrainingArguments
     from transformers.trainer_callback import ProgressCallback
 
@@ -345,14 +372,19 @@ def main(argv=None):
             if int(os.environ.get("RANK", "0")) == 0:
                 plot_losses(Path(args.output_dir))
             return
+        if args.pp:
+            import pipeline_finetune
+
+            pipeline_finetune.train(args, model, tok, rows, Path(args.output_dir), sys.modules[__name__],
+                                    lora_config(args))
+            if int(os.environ.get("RANK", "0")) == 0:
+                plot_losses(Path(args.output_dir))
+            return
         dataset, collate = Rows(rows), None
         metric = ("key", lambda m, device: long_range_accuracy(m, tok, args, device))
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # random-weight default: its embeddings carry no meaning yet, so they train too (a real checkpoint: LoRA only)
-    lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                      modules_to_save=None if args.model else ["embed_tokens", "lm_head"])
+    lora = lora_config(args)
     out_dir = Path(args.output_dir)
     training = dict(
         output_dir=str(out_dir), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
@@ -415,6 +447,16 @@ def main(argv=None):
         (out_dir / "summary.json").write_text(json.dumps(summary | {"adapter_identical_on_all_ranks": same}))
         plot_losses(out_dir)
     acc.wait_for_everyone()
+
+
+def lora_config(args):
+    """LoRA on every linear of the decoder layers; the random-weight default's embeddings carry no meaning yet, so
+    they train too (a real checkpoint: LoRA only)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                      modules_to_save=None if args.model else ["embed_tokens", "lm_head"])
 
 
 def described(scores: dict) -> str:

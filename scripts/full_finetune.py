@@ -70,6 +70,24 @@ def mean_over_world(x: float, device) -> float:
     return float(t) / dist.get_world_size()
 
 
+def scheduler(opt, max_steps: int):
+    """The Trainer's schedule of the main job: warm-up, cosine decay to a tenth of the peak."""
+    import transformers
+
+    return transformers.get_scheduler("cosine_with_min_lr", opt, num_warmup_steps=max(1, min(50, max_steps // 10)),
+                                      num_training_steps=max_steps, scheduler_specific_kwargs={"min_lr_rate": 0.1})
+
+
+def write_record(metrics, step: int, loss: float, norm, lr: float, tokens: int, t0: float, device, helpers) -> None:
+    """One line of metrics.jsonl (only the main process has the file open; every rank calls: the loss is averaged
+    over the world)."""
+    record = {"step": step, "loss": mean_over_world(loss, device), "grad_norm": float(norm), "lr": lr,
+              "tokens_per_s": tokens / (time.perf_counter() - t0), "peak_mem_mb": helpers.peak_mem_mb(device)}
+    if metrics:
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+
+
 def full_state_dict(model) -> dict:
     """Every rank calls this (a collective); the full, unsharded state dict on the CPU."""
     if not dist.is_initialized():
@@ -95,8 +113,7 @@ def train(args, model, tok, rows, out_dir: Path, helpers) -> dict:
         shard(model)
     dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = transformers.get_scheduler("cosine_with_min_lr", opt, num_warmup_steps=max(1, min(50, args.max_steps // 10)),
-                                       num_training_steps=args.max_steps, scheduler_specific_kwargs={"min_lr_rate": 0.1})
+    sched = scheduler(opt, args.max_steps)
     data = batches_of(rows, args.batch_size, dp_rank, dp_size, args.seed)
     tokens_per_step = args.seq_len * args.batch_size * args.grad_accum * dp_size
     before = helpers.long_range_accuracy(model, tok, args, device)
@@ -123,12 +140,7 @@ def train(args, model, tok, rows, out_dir: Path, helpers) -> dict:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        record = {"step": step, "loss": mean_over_world(loss_sum, device), "grad_norm": float(norm), "lr": lr,
-                  "tokens_per_s": tokens_per_step / (time.perf_counter() - t0),
-                  "peak_mem_mb": helpers.peak_mem_mb(device)}
-        if metrics:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+        write_record(metrics, step, loss_sum, norm, lr, tokens_per_step, t0, device, helpers)
     if metrics:
         metrics.close()
     after = helpers.long_range_accuracy(model, tok, args, device)

@@ -145,6 +145,12 @@ BAD_INPUTS = {
                             "--num-generations 1 must be at least 2 (GRPO's advantages compare"),
     "grpo_no_warm_up": (["--task", "grpo", "--sft-steps", "0"], {}, "--sft-steps 0 must be positive (the random model"),
     "grpo_seq_len": (["--task", "grpo", "--seq-len", "100"], {}, "--seq-len 100 must be at least 128"),
+    "pp_task": (["--task", "dpo", "--pp", "2"], {}, "--task: --pp runs the text task's LoRA fine-tune in one go"),
+    "pp_resume": (["--pp", "2", "--save-every", "2"], {}, "--save-every: --pp runs the text task's LoRA fine-tune"),
+    "pp_world": (["--pp", "3"], {"WORLD_SIZE": "4"}, "--pp 3 x cp 1 must divide the number of processes (4)"),
+    "pp_microbatches": (["--pp", "2", "--batch-size", "3", "--microbatches", "2"], {},
+                        "the microbatches must divide --batch-size 3"),
+    "microbatches_without_pp": (["--microbatches", "2"], {}, "--microbatches 2: an option of --pp"),
 }
 
 

@@ -13,6 +13,7 @@ import hfcp
 from hfcp.commands.verify import grad_error
 
 ROWS, LENGTH = 4, 32
+CLIP = 1e-3  # a max norm below every gradient norm here: clip_grad_norm_ scales every step's gradients
 
 
 def tiny(family: str, layers: int = 4, tied: bool = False):
@@ -84,7 +85,7 @@ def compare(pp: int, cp: int, schedule: str, microbatches: int = 2, family: str 
     ref_params = dict(ref.named_parameters())
     opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     opt = torch.optim.AdamW([p for _, p in runner.named_parameters() if p.requires_grad], lr=1e-2)
-    loss_err = grad_err = 0.0
+    loss_err = grad_err = norm_err = 0.0
     for step in range(2):
         batches = [batch(10 * step + g, packed) for g in range(dp)]  # one per data group
         want = []
@@ -94,6 +95,10 @@ def compare(pp: int, cp: int, schedule: str, microbatches: int = 2, family: str 
             want.append(loss.item())
         got = runner.step(**batches[d])
         loss_err = max(loss_err, abs(got.item() - want[d]) / want[d])
+        norm = runner.clip_grad_norm_(CLIP)
+        ref_norm = torch.nn.utils.clip_grad_norm_(opt_ref.param_groups[0]["params"], CLIP)
+        assert ref_norm > CLIP, ref_norm
+        norm_err = max(norm_err, abs(norm.item() - ref_norm.item()) / ref_norm.item())
         grads = {n: p.grad for n, p in runner.named_parameters() if p.grad is not None}
         ref_grads = {n: ref_params[n].grad for n in grads}
         grad_err = max(grad_err, grad_error(grads, ref_grads) if grads else 0.0)
@@ -108,7 +113,8 @@ def compare(pp: int, cp: int, schedule: str, microbatches: int = 2, family: str 
     eval_b = batch(99, packed)
     with torch.no_grad():
         eval_err = abs(runner.eval_step(**eval_b).item() - ref(**eval_b, use_cache=False).loss.item())
-    return {"loss_err": loss_err, "grad_err": grad_err, "param_err": param_err, "eval_err": eval_err,
+    return {"loss_err": loss_err, "grad_err": grad_err, "norm_err": norm_err, "param_err": param_err,
+            "eval_err": eval_err,
             "missing": missing, "params": len(dict(runner.named_parameters())), "grads": len(grads)}
 
 

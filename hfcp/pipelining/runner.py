@@ -53,6 +53,28 @@ class PipelineRunner:
             elif p.grad is not None:
                 p.grad.zero_()
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale this stage's gradients as torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) scales the
+        whole model's on one process: the norm is over every stage's gradients (a tied weight counted once), summed
+        across the stages. Call after `step`; returns that norm (fp32) on every rank."""
+        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or max_norm <= 0:
+            raise ValueError(f"hfcp.pipeline: clip_grad_norm_(max_norm={max_norm!r}) needs a positive number")
+        twice = self._tied is not None and self.last and not self.first  # (the first stage counts it)
+        grads = [p.grad for p in self._mine.values() if p.grad is not None]
+        counted = [p.grad for p in self._mine.values() if p.grad is not None and not (twice and p is self._tied)]
+        device = next(iter(self._mine.values())).device
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        for g in counted:
+            squares += g.double().pow(2).sum()
+        if self.stages > 1:
+            dist.all_reduce(squares, group=self._groups["pipe"])
+        norm = squares.sqrt().float()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return norm
+
     def train(self, mode: bool = True) -> "PipelineRunner":
         self.model.train(mode)
         return self
