@@ -17,13 +17,16 @@ from .attention.interface import register_with_transformers
 from .loss.linear_ce import IDENTITY
 from .families.resolve import attention_group, patcher_for, plan_patch, router_aux_for
 from .state import CPState, Settings, cp_state, find_pretrained
+from .families.introspect import decoder_layers
+from .offload import offload_checkpoints as offload_to_host
+from .tiling import mlps_to_tile, tile_mlps, tile_tokens
 
 log = logging.getLogger("hfcp")
 
 
 def patch(model, cp_size: int | None = None, strategy: str = "ring", process_group=None, timeout=None,
           check_inputs: bool = True, loss_chunk: int | str | None = "auto", ulysses_size: int | None = None,
-          device_mesh=None, balance: str = "auto"):
+          device_mesh=None, balance: str = "auto", tiled_mlp: bool | int = False, offload_checkpoints: bool = False):
     """Make `model` context-parallel in place and return it.
 
     Args:
@@ -47,6 +50,14 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         balance: "auto" (default): a training forward whose rows hold packed documents (position_ids resets)
             is split so that every rank holds as many tokens and about as much attention work as the others
             (hfcp.layout.balance); "row": every row zigzag (contiguous for bidirectional models), as one document.
+        tiled_mlp: False (default); True or a number of tokens: in training forwards each decoder layer's MLP runs
+            over tiles of the rank's tokens (True: hidden_size tokens a tile), each recomputed in backward, so its
+            intermediates exist for one tile at a time (hfcp/tiling.py). MLPs hfcp cannot show compute each token
+            alone are refused.
+        offload_checkpoints: in training forwards with gradient checkpointing, what the forward keeps for backward
+            outside the checkpointed layers (each layer's input) is held in host memory (pinned, copied on a side
+            stream on CUDA) and brought back in backward (hfcp/offload.py). A training forward whose layers are not
+            checkpointed is refused.
 
     A model that transformers loaded tensor-parallel (`tp_plan`, DistributedConfig) keeps its TP: each rank's
     attention sees its TP rank's heads, and the CP groups run across TP groups (hfcp builds them so with
@@ -61,10 +72,12 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             vision model, pipeline stages, already patched with other settings.
     """
     settings = Settings(cp_size, strategy, process_group, timeout, check_inputs, loss_chunk, ulysses_size, device_mesh,
-                        balance)
+                        balance, tiled_mlp, offload_checkpoints)
     inner = find_pretrained(model)
     patcher = patcher_for(inner)  # raises on every rank before any collective
     plan = plan_patch(inner, patcher, settings)
+    tile = tile_tokens(tiled_mlp, plan.owner.config)
+    mlps = mlps_to_tile(plan.owner) if tile else []  # (refuses before any collective)
     existing = cp_state(inner)
     if existing is not None:
         differ = existing.settings.differences(settings)
@@ -85,6 +98,11 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     register_with_transformers()
     attach_attention(state, inner, plan)
     ATTACH[plan.kind](state, inner, plan)
+    if mlps:
+        state.undo.append(tile_mlps(mlps, tile))
+    if offload_checkpoints:
+        layers = decoder_layers(plan.owner, plan.owner.config.get_text_config().num_hidden_layers) or []
+        state.undo.append(offload_to_host(inner, layers))
     log.info("hfcp: %s patched: strategy=%s cp=%d (dp=%d), %d attention modules",
              type(inner).__name__, strategy, mesh.cp_size, mesh.dp_size, len(plan.modules))
     return model

@@ -21,6 +21,8 @@ from .forward_data import ForwardData
 from .layout import StepBatch
 from .loss.linear_ce import IDENTITY, LogitTransform
 from .families.registry import Patcher
+from .offload import check_offload_checkpoints
+from .tiling import check_tiled_mlp
 
 
 def check_loss_chunk(value, name: str = "loss_chunk"):
@@ -47,9 +49,13 @@ class Settings:
     ulysses_size: int | None = None
     device_mesh: object = None
     balance: str = "auto"
+    tiled_mlp: bool | int = False
+    offload_checkpoints: bool = False
 
     def __post_init__(self):
         check_loss_chunk(self.loss_chunk)
+        check_tiled_mlp(self.tiled_mlp)
+        check_offload_checkpoints(self.offload_checkpoints)
         check_balance(self.balance)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not one of {sorted(STRATEGIES)}")

@@ -85,15 +85,16 @@ class PeakRSS:
 
 MODEL_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=2)
+REACH_SHAPE = dict(MODEL_SHAPE, intermediate_size=896, num_hidden_layers=8)  # Llama-3-8B's ratios, scaled down
 
 
-def lora_llama(seq_len: int, device):
+def lora_llama(seq_len: int, device, shape: dict = MODEL_SHAPE):
     """The benchmark's Llama (MODEL_SHAPE, seeded) with LoRA adapters on its attention projections."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL_SHAPE, max_position_embeddings=seq_len))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, max_position_embeddings=seq_len))
     return get_peft_model(model.to(device), LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 
@@ -113,12 +114,15 @@ def model_step(args, device):
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "out_proj"]
         model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
     else:
-        model = lora_llama(args.seq_len, device)
+        model = lora_llama(args.seq_len, device, REACH_SHAPE if args.arch == "reach" else MODEL_SHAPE)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, 4096, (1, args.seq_len), generator=torch.Generator().manual_seed(1)).to(device)
     if args.cp > 1 and args.strategy == "deepspeed":
         return deepspeed_model_step(model, ids, args, device)
     if args.cp > 1:
-        hfcp.patch(model, strategy=args.strategy, loss_chunk=args.loss_chunk, check_inputs=False)
+        hfcp.patch(model, strategy=args.strategy, loss_chunk=args.loss_chunk, check_inputs=False,
+                   tiled_mlp=args.tiled_mlp or False)
     run = compiled(model, args.compile, args.compile_backend)
 
     def step():
@@ -277,7 +281,10 @@ def deepspeed_ulysses_step(q, k, v, args, device):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--level", choices=["model", "attention"], default="model")
-    ap.add_argument("--arch", choices=["llama", "qwen3_next"], default="llama", help="model level: the model")
+    ap.add_argument("--arch", choices=["llama", "qwen3_next", "reach"], default="llama",
+                    help="model level: the model (reach: 8 layers, intermediate 896, Llama-3-8B's ratios)")
+    ap.add_argument("--checkpointing", action="store_true", help="model level: gradient checkpointing")
+    ap.add_argument("--tiled-mlp", type=int, default=0, help="model level, cp > 1: hfcp's tiled_mlp (tokens a tile)")
     ap.add_argument("--seq-len", type=int, required=True)
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--strategy", default="ring")
@@ -315,7 +322,8 @@ def main():
               "no_comm": args.no_comm, "threads": args.threads,
               "chunked_cp1": bool(args.chunked_loss and args.cp == 1), "time_s": sorted(times)[len(times) // 2],
               "cpu_s": sorted(cpu_times)[len(cpu_times) // 2],
-              "peak_mem_mb": max(mems), "loss": loss, "compile": args.compile}
+              "peak_mem_mb": max(mems), "loss": loss, "compile": args.compile,
+              "checkpointing": args.checkpointing, "tiled_mlp": args.tiled_mlp}
     if args.cp > 1:
         import torch.distributed as dist
 

@@ -59,6 +59,28 @@ def embedded_corpus(n_docs: int, max_chars: int, seed: int) -> list[str]:
     return [key_document(rng, rng.randint(max(64, max_chars // 8), max_chars))[0] for _ in range(n_docs)]
 
 
+SHORT = (40, 100)  # characters of the curriculum's short documents: about 28 keys in a row of 2048 tokens
+
+
+def curriculum_rows(tok, seq_len: int, short_rows: int, long_rows: int, seed: int) -> list:
+    """The embedded corpus packed in training order: `short_rows` rows of short key documents (SHORT), where a tiny
+    model from random weights first learns to copy a key (many keys a row, close to their copies), then at least
+    `long_rows` rows of documents up to 0.9 x seq_len characters (embedded_corpus: the key far from its copy, across
+    the shards of a CP group), where it learns to copy across the whole row."""
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < short_rows:  # (whole rows only: the last, partly filled one is dropped)
+        docs = [encode_document(tok, key_document(rng, rng.randint(*SHORT))[0])
+                for _ in range(max(1, (short_rows - len(rows)) * seq_len // 60))]
+        rows += pack(docs, seq_len)[:-1]
+    rows = rows[:short_rows]
+    long, n_docs = [], 2000
+    while len(long) < long_rows:
+        long = pack([encode_document(tok, t) for t in embedded_corpus(n_docs, int(seq_len * 0.9), seed)], seq_len)
+        n_docs *= 2
+    return rows + long
+
+
 def load_texts(path: str) -> list[str]:
     """A directory of .txt files or a .jsonl file with a "text" field. Raises ValueError if no text."""
     p = Path(path)

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from finetune_data import (  # noqa: E402
-    ByteTokenizer, embedded_corpus, encode_document, key_document, key_span, load_texts, pack,
+    ByteTokenizer, curriculum_rows, encode_document, key_document, key_span, load_texts, pack,
 )
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_llama.json"
@@ -83,6 +83,9 @@ def parse_args(argv=None):
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--loss-chunk", type=int, default=1024,
                     help="tokens per chunk of the loss: logits are never materialised whole (0: plain logits)")
+    ap.add_argument("--tiled-mlp", type=int, default=0,
+                    help="tokens per tile of each decoder layer's MLP in training (hfcp.patch's tiled_mlp: the MLP's "
+                         "intermediates exist for one tile at a time; 0: whole)")
     ap.add_argument("--output-dir", default="runs/finetune")
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: only at the end)")
     ap.add_argument("--resume-from", help="a checkpoint directory written by --save-every")
@@ -200,6 +203,8 @@ def validate(args, world: int) -> list[str] | None:
         fail(f"--cp-size {args.cp_size} must divide the number of processes ({world})")
     if args.pp and world > 1 and world % (stages * cp):
         fail(f"--pp {args.pp} x cp {cp} must divide the number of processes ({world})")
+    if args.tiled_mlp < 0:
+        fail(f"--tiled-mlp {args.tiled_mlp} must be a number of tokens per tile (0: off)")
     if args.grad_accum < 1 or args.max_steps < 1 or args.batch_size < 1:
         fail(f"--grad-accum {args.grad_accum}, --max-steps {args.max_steps}, --batch-size {args.batch_size} must be "
              f"positive")
@@ -252,9 +257,20 @@ def video_setup(args):
         "answer", lambda m, device: video_task.answer_accuracy(m, args.frames, args.eval_docs, args.seed, device))
 
 
-def encode_docs(args, tok, texts):
-    texts = texts if texts is not None else embedded_corpus(2000, int(args.seq_len * 0.9), args.seed)
-    return [encode_document(tok, t) for t in texts]
+SHORT_SHARE = 0.5  # of the steps, on the embedded curriculum's short documents
+
+
+def training_rows(args, tok, texts, world: int) -> list:
+    """The packed rows the text task trains on, in the order it reads them (args.curriculum: keep it). --data: its
+    documents, read in a seeded shuffle. The embedded corpus: a curriculum (finetune_data.curriculum_rows), the first
+    SHORT_SHARE of the steps on short documents, the rest on long ones, read in order."""
+    args.curriculum = texts is None
+    if texts is not None:
+        return pack([encode_document(tok, t) for t in texts], args.seq_len)
+    cp = args.cp_size or max(1, world // (args.pp or 1))
+    per_step = args.batch_size * args.grad_accum * max(1, world // ((args.pp or 1) * cp))  # (x data groups)
+    short = round(args.max_steps * SHORT_SHARE) * per_step
+    return curriculum_rows(tok, args.seq_len, short, args.max_steps * per_step - short, args.seed)
 
 
 @torch.no_grad()
@@ -364,7 +380,7 @@ def main(argv=None):
         model, _ = load_model_and_tokenizer(args)  # its data and metric: with the trainer, below
     else:
         model, tok = load_model_and_tokenizer(args)
-        rows = pack(encode_docs(args, tok, texts), args.seq_len)
+        rows = training_rows(args, tok, texts, int(os.environ.get("WORLD_SIZE", "1")))
         if args.full_finetune:
             import full_finetune
 
@@ -393,9 +409,11 @@ def main(argv=None):
         max_grad_norm=1.0, weight_decay=0.0, logging_steps=1, save_strategy="steps",
         save_steps=args.save_every or args.max_steps, seed=args.seed, data_seed=args.seed, report_to=[],
         use_cpu=not torch.cuda.is_available(), dataloader_drop_last=False, ddp_find_unused_parameters=False,
+        train_sampling_strategy="sequential" if getattr(args, "curriculum", False) else "random",
     )
     given = {"cp_size": args.cp_size} if args.cp_size else {}  # else the whole world, or an accelerate layout's cp
-    hfcp_options = dict(**given, strategy=args.strategy, loss_chunk=args.loss_chunk or None)
+    hfcp_options = dict(**given, strategy=args.strategy, loss_chunk=args.loss_chunk or None,
+                        tiled_mlp=args.tiled_mlp or False)
     if args.task == "dpo":  # DPOTrainer makes the LoRA model itself (its reference: the adapter disabled)
         import dpo_task
 

@@ -44,16 +44,18 @@ def state_mb_per_rank(model) -> float:
     return 4 * 4 * local / 2**20
 
 
-def batches_of(rows, batch_size: int, dp_rank: int, dp_size: int, seed: int):
-    """Endless micro-batches for this DP group: each epoch a seeded shuffle, dp_size * batch_size rows a step,
-    the group's slice of them (with dp_size 1: the order one process sees)."""
+def batches_of(rows, batch_size: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool = True):
+    """Endless micro-batches for this DP group: each epoch a seeded shuffle (shuffle=False: the rows' order, as the
+    embedded curriculum's), dp_size * batch_size rows a step, the group's slice of them (with dp_size 1: the order
+    one process sees)."""
     if len(rows) < dp_size * batch_size:
         raise SystemExit(f"full_finetune: {len(rows)} rows cannot fill one step of {dp_size} DP groups x {batch_size} "
                          "rows: give more data or a smaller --batch-size")
     epoch = 0
     while True:
         order = list(range(len(rows)))
-        random.Random(seed + epoch).shuffle(order)
+        if shuffle:
+            random.Random(seed + epoch).shuffle(order)
         step = dp_size * batch_size
         for s in range(0, len(order) - step + 1, step):
             picked = [rows[i] for i in order[s + dp_rank * batch_size : s + (dp_rank + 1) * batch_size]]
@@ -108,13 +110,14 @@ def train(args, model, tok, rows, out_dir: Path, helpers) -> dict:
     model.to(device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    hfcp.patch(model, cp_size=args.cp_size, strategy=args.strategy, loss_chunk=args.loss_chunk or None)
+    hfcp.patch(model, cp_size=args.cp_size, strategy=args.strategy, loss_chunk=args.loss_chunk or None,
+               tiled_mlp=args.tiled_mlp or False)
     if dist.is_initialized() and dist.get_world_size() > 1:
         shard(model)
     dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = scheduler(opt, args.max_steps)
-    data = batches_of(rows, args.batch_size, dp_rank, dp_size, args.seed)
+    data = batches_of(rows, args.batch_size, dp_rank, dp_size, args.seed, shuffle=not args.curriculum)
     tokens_per_step = args.seq_len * args.batch_size * args.grad_accum * dp_size
     before = helpers.long_range_accuracy(model, tok, args, device)
     if is_main:

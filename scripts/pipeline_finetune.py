@@ -62,14 +62,15 @@ def train(args, model, tok, rows, out_dir: Path, helpers, lora) -> dict:
     cp = args.cp_size or world // args.pp
     if world > 1:
         runner = hfcp.pipeline(model, pp_size=args.pp, cp_size=cp, schedule="1F1B", n_microbatches=args.microbatches,
-                               strategy=args.strategy, loss_chunk=args.loss_chunk or None)
+                               strategy=args.strategy, loss_chunk=args.loss_chunk or None,
+                               tiled_mlp=args.tiled_mlp or False)
     else:
         runner = WholeModel(model)
     dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model) if world > 1 else (0, 1)
     mine = {n: p for n, p in runner.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(mine.values(), lr=args.lr, weight_decay=0.0)
     sched = scheduler(opt, args.max_steps)
-    data = batches_of(rows, args.batch_size, dp_rank, dp_size, args.seed)
+    data = batches_of(rows, args.batch_size, dp_rank, dp_size, args.seed, shuffle=not args.curriculum)
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         layout = (f"pp={args.pp} x dp={dp_size} x cp={cp}, 1F1B over {args.microbatches} microbatches of "

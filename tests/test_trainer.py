@@ -60,6 +60,13 @@ def test_torch_compile_cp2_equals_one_process(pool2, reference):
     pool2.run(torch._dynamo.reset)
 
 
+def test_tiled_mlp_with_checkpointing_cp2_equals_one_process(pool2, reference):
+    # HfcpTrainer(tiled_mlp=4): every MLP in tiles of 4 of the rank's tokens, inside checkpointed layers
+    for got in pool2.run(W.train_run, 4, None, "ring", False, {"gradient_checkpointing": True}, False,
+                         {"tiled_mlp": 4}):
+        assert_same_run(got, reference[1])
+
+
 def test_dp2_cp2_equals_one_process_with_the_global_batch(pool4, reference):
     for got in pool4.run(W.train_run, 2, 2):
         assert_same_run(got, reference[1])

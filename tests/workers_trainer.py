@@ -83,9 +83,11 @@ def _history(trainer):
     return [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history]
 
 
-def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, overrides=None, configured=False):
+def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, overrides=None, configured=False,
+              options=None):
     """Train 4 steps, evaluate, predict. per_device is the batch of each DP group (1 process: the global batch).
-    configured: keep the accelerate state the caller set up (else it is reset first)."""
+    configured: keep the accelerate state the caller set up (else it is reset first). options: more of hfcp.patch's,
+    given to the trainer."""
     from hfcp.integrations import HfcpTrainer
 
     if not configured:
@@ -95,7 +97,7 @@ def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, ov
     with tempfile.TemporaryDirectory() as out:
         args = _args(out, per_device, **(overrides or {}))
         trainer = HfcpTrainer(model=model, args=args, train_dataset=data, eval_dataset=Rows(10, seed=1),
-                              cp_size=cp_size, strategy=strategy)
+                              cp_size=cp_size, strategy=strategy, **(options or {}))
         trainer.train()
         metrics = trainer.evaluate()
         pred = trainer.predict(Rows(5, seed=2))

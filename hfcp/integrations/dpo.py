@@ -30,7 +30,7 @@ class HfcpDPOTrainer(HfcpTrainerMixin, DPOTrainer):
     """`trl.DPOTrainer` for a context-parallel model: every argument of DPOTrainer, plus hfcp.patch's options.
 
     Args:
-        cp_size, strategy, loss_chunk, timeout, check_inputs, balance: as for HfcpTrainer (passed to `hfcp.patch`). The
+        cp_size, strategy, loss_chunk, timeout, check_inputs, balance, tiled_mlp: as for HfcpTrainer (passed to `hfcp.patch`). The
             reference model (`ref_model=`) is patched with the policy's CP groups and settings.
     Logged as by DPOTrainer: loss, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
     logps/chosen, logps/rejected, logits/chosen, logits/rejected, entropy, mean_token_accuracy, num_tokens (each DP
@@ -41,11 +41,12 @@ class HfcpDPOTrainer(HfcpTrainerMixin, DPOTrainer):
     """
 
     def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
-                 balance=UNSET, **kwargs):
+                 balance=UNSET, tiled_mlp=UNSET, offload_checkpoints=UNSET, **kwargs):
         # read with the layout, when the parent's __init__ creates the Accelerator
         self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)
         self._hfcp_options = dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
-                                  check_inputs=check_inputs, balance=balance)
+                                  check_inputs=check_inputs, balance=balance, tiled_mlp=tiled_mlp,
+                                  offload_checkpoints=offload_checkpoints)
         super(HfcpTrainerMixin, self).__init__(*args, **kwargs)  # DPOTrainer's; the patch follows in _hfcp_setup
         self._hfcp_setup()
 

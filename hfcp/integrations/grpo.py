@@ -119,7 +119,7 @@ class HfcpGRPOTrainer(HfcpTrainerMixin, GRPOTrainer):
     hfcp.patch's options.
 
     Args:
-        cp_size, strategy, loss_chunk, timeout, check_inputs, balance: as for HfcpTrainer (passed to `hfcp.patch`; the
+        cp_size, strategy, loss_chunk, timeout, check_inputs, balance, tiled_mlp: as for HfcpTrainer (passed to `hfcp.patch`; the
             reference model, when TRL makes one, is patched alike).
     Logged per step as by GRPOTrainer (completion lengths, rewards, entropy, kl, clip ratios, ...), and by
     evaluate(), each DP group counted once.
@@ -132,7 +132,8 @@ class HfcpGRPOTrainer(HfcpTrainerMixin, GRPOTrainer):
     """
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *more, cp_size=UNSET,
-                 strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET, balance=UNSET, **kwargs):
+                 strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET, balance=UNSET,
+                 tiled_mlp=UNSET, offload_checkpoints=UNSET, **kwargs):
         if args is None:  # GRPOTrainer's default, made here to size its batches
             name = model if isinstance(model, str) else (model.config._name_or_path or type(model).__name__)
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
@@ -145,7 +146,8 @@ class HfcpGRPOTrainer(HfcpTrainerMixin, GRPOTrainer):
         self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)  # read when the parent creates the Accelerator
         super(HfcpTrainerMixin, self).__init__(model, reward_funcs, args, *more, **kwargs)  # GRPOTrainer's
         self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
-                             check_inputs=check_inputs, balance=balance))
+                             check_inputs=check_inputs, balance=balance, tiled_mlp=tiled_mlp,
+                             offload_checkpoints=offload_checkpoints))
         state = cp_state(self.model)
         if state is not None:
             if self.ref_model is not None:

@@ -28,7 +28,7 @@ from .trainer import HfcpTrainerMixin
 
 class HfcpRewardTrainer(HfcpTrainerMixin, RewardTrainer):
     """`trl.RewardTrainer` for a context-parallel sequence classifier: every argument of RewardTrainer, plus
-    hfcp.patch's options (cp_size, strategy, loss_chunk, timeout, check_inputs, balance, as for HfcpTrainer).
+    hfcp.patch's options (cp_size, strategy, loss_chunk, timeout, check_inputs, balance, tiled_mlp, as for HfcpTrainer).
 
     The loss is RewardTrainer's: -logsigmoid(r_chosen - r_rejected [- margin]) averaged over the pairs, plus
     `center_rewards_coefficient` x the mean of (r_chosen + r_rejected)^2. Logged per step as by RewardTrainer:

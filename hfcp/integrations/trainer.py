@@ -35,14 +35,15 @@ class HfcpTrainerMixin(EvaluationMixin):
     """The overrides shared by HfcpTrainer and HfcpSFTTrainer; put it before the Trainer class in the bases."""
 
     def __init__(self, *args, cp_size=UNSET, strategy=UNSET, loss_chunk=UNSET, timeout=UNSET, check_inputs=UNSET,
-                 balance=UNSET, **kwargs):
+                 balance=UNSET, tiled_mlp=UNSET, offload_checkpoints=UNSET, **kwargs):
         """The Trainer's arguments, plus hfcp.patch's options (UNSET: not given): the model is patched once the
         parent's __init__ has made the Accelerator and the process group."""
         # read with the layout, when the parent's __init__ creates the Accelerator
         self._hfcp_given = dict(cp_size=cp_size, strategy=strategy)
         super().__init__(*args, **kwargs)
         self._hfcp_init(dict(cp_size=cp_size, strategy=strategy, loss_chunk=loss_chunk, timeout=timeout,
-                             check_inputs=check_inputs, balance=balance))
+                             check_inputs=check_inputs, balance=balance, tiled_mlp=tiled_mlp,
+                             offload_checkpoints=offload_checkpoints))
 
     def _hfcp_init(self, patch_options: dict) -> None:
         """After the parent's __init__ (the process group exists then): patch the model, refuse what is not exact.
@@ -267,7 +268,7 @@ class HfcpTrainer(HfcpTrainerMixin, Trainer):
     """`transformers.Trainer` for a context-parallel model: every argument of Trainer, plus hfcp.patch's options.
 
     Args:
-        cp_size, strategy, loss_chunk, timeout, check_inputs, balance: passed to `hfcp.patch` when the model is not
+        cp_size, strategy, loss_chunk, timeout, check_inputs, balance, tiled_mlp: passed to `hfcp.patch` when the model is not
             patched yet; an option not given takes hfcp.patch's default (ring, "auto" chunked loss, ...). A model patched
             already keeps its settings, and an option given that differs from them is refused. With accelerate's
             ParallelismConfig (TrainingArguments.parallelism_config, or accelerate launch's), the CP size is its

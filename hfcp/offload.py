@@ -1,0 +1,96 @@
+"""hfcp.patch(offload_checkpoints=True): what a training forward with gradient checkpointing keeps for backward
+outside the checkpointed layers (each layer's input: the residual stream, tokens x hidden per layer) held in host
+memory, brought back when backward needs it.
+
+Inside a checkpointed layer torch's checkpoint keeps nothing (its own saved-tensor hooks), so hooks around the
+whole forward see exactly the checkpoints (every layer's input) and the few tensors saved outside the layers (the
+final norm's input, the loss's hidden states). On CUDA each is copied into pinned host memory on a side stream,
+overlapped with the forward's compute, and back on the compute stream in backward; parameters stay where they are.
+On CPU the same path runs (a copy into host memory, which saves nothing there). The values are the same tensors'
+copies: exact.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+
+class Offloader:
+    """The saved-tensor hooks of one forward: pack moves a tensor to the host, unpack brings it back."""
+
+    def __init__(self):
+        self.count = self.bytes = 0
+        self._stream = None
+
+    def pack(self, tensor: torch.Tensor):
+        if isinstance(tensor, nn.Parameter) or isinstance(getattr(tensor, "_base", None), nn.Parameter) or \
+                not tensor.is_floating_point() or tensor.layout != torch.strided:
+            return tensor  # (weights stay; indices and masks are small)
+        self.count += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+        if tensor.device.type != "cuda":
+            return (tensor.device, tensor.detach().to("cpu", copy=True), None)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(tensor.device)
+        self._stream.wait_stream(torch.cuda.current_stream(tensor.device))  # (the tensor's producer first)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with torch.cuda.stream(self._stream):
+            host.copy_(tensor.detach(), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        tensor.record_stream(self._stream)  # (its memory is not reused before the copy ends)
+        return (tensor.device, host, done)
+
+    @staticmethod
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host, done = packed
+        if done is None:
+            return host.to(device)
+        torch.cuda.current_stream(device).wait_event(done)
+        return host.to(device, non_blocking=True)
+
+
+def check_offload_checkpoints(value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"offload_checkpoints={value!r} must be True or False")
+
+
+def offload_checkpoints(model: nn.Module, layers: list):
+    """Run `model`'s training forwards under the offloading hooks (the model's forward replaced on the instance);
+    returns the undo."""
+    had = model.__dict__.get("forward")  # (a forward set on the instance before: put back by the undo)
+    model.forward = offloading_forward(model, model.forward, layers)
+
+    def undo():
+        if had is None:
+            model.__dict__.pop("forward", None)
+        else:
+            model.forward = had
+    return undo
+
+
+def offloading_forward(model: nn.Module, forward, layers: list):
+    """`forward` (the model's) run under the offloading hooks in training forwards; a training forward of a model
+    whose layers are not checkpointed is refused (every activation would go to the host)."""
+    name = type(model).__name__
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled() or not model.training:
+            return forward(*args, **kwargs)
+        if not any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+            raise ValueError(f"offload_checkpoints=True: {name}'s decoder layers are not checkpointed, so there are no "
+                             "checkpoints to offload (every activation would go to the host); enable gradient "
+                             "checkpointing (model.gradient_checkpointing_enable(), or TrainingArguments("
+                             "gradient_checkpointing=True)), or pass offload_checkpoints=False")
+        offloader = Offloader()
+        run.last = offloader
+        with torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack):
+            return forward(*args, **kwargs)
+
+    run.last, run.hfcp_offload = None, True
+    return run

@@ -1,0 +1,95 @@
+"""Workers for hfcp.patch(tiled_mlp=..., offload_checkpoints=...) (issue 44): the patched model at cp 2 with each
+decoder layer's MLP run in tiles, or its checkpoints held in host memory, against the unpatched model in one process
+(loss and every gradient); how many tiles each MLP ran, what was offloaded."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import hfcp
+from hfcp.commands.verify import grad_error
+from hfcp.state import find_pretrained
+from workers_model import averaged_grads, make_batch, tiny_model
+
+
+def _models(kind: str, lora: bool):
+    """Two copies of one seeded model (the reference and the one to patch), the batch, and the language model whose
+    layers hold the MLPs."""
+    if kind == "lfm2":  # a hybrid: short convolutions beside attention; its MLP is the layer's feed_forward
+        from workers_mixers import batch, tiny_hybrid
+
+        torch.manual_seed(0)
+        ref = tiny_hybrid(kind)
+        torch.manual_seed(0)
+        models, b = (ref, tiny_hybrid(kind)), batch("plain")
+    elif kind == "llava":  # a VLM: the language model's MLPs tiled, the merged sequence sharded
+        from workers_vlm import tiny_vlm, vlm_batch
+
+        models, b = (tiny_vlm(kind), tiny_vlm(kind)), vlm_batch(kind, "two_images")
+    else:
+        models, b = (tiny_model(kind, num_hidden_layers=3), tiny_model(kind, num_hidden_layers=3)), \
+            make_batch(dict(B=2, L=64, packed=True))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        out = []
+        for m in models:
+            torch.manual_seed(1)
+            m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj",
+                                                                                  "w1", "w2", "w3", "q_proj"]))
+            with torch.no_grad():  # LoRA's B starts at zero: move it so that every adapter's gradient is non-zero
+                for n, p in m.named_parameters():
+                    if "lora_B" in n:
+                        p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+            out.append(m)
+        models = tuple(out)
+    return models[0], models[1], b
+
+
+def tiled_step(kind: str, tile: int, lora: bool = False, checkpointing: bool | str = False,
+               offload: bool = False) -> dict:
+    """One training step: the patched model at cp 2 (tiled_mlp=tile, offload_checkpoints=offload) against the
+    unpatched one in one process; the loss and gradient errors, per MLP how often its first projection ran (forward
+    tiles, then each tile recomputed in backward), and the tensors offloaded. checkpointing: True (non-reentrant) or
+    "reentrant"."""
+    ref, model, batch = _models(kind, lora)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    hfcp.patch(model, timeout=60, tiled_mlp=tile or False, offload_checkpoints=offload)
+    mlps = [m for m in model.modules() if getattr(m.__dict__.get("forward"), "hfcp_tile", None) == tile]
+    calls = [0] * len(mlps)
+    for i, mlp in enumerate(mlps):
+        first = next(c for c in mlp.modules() if isinstance(c, torch.nn.Linear))  # (a recompute stops early: before
+        first.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))  # the last ends)
+    want = ref(**batch, use_cache=False).loss
+    want.backward()
+    got = model(**batch, use_cache=False).loss
+    got.backward()
+    local = hfcp.cp_state(model).step.layout.local_len
+    offloader = find_pretrained(model).__dict__["forward"].last if offload else None
+    grads = averaged_grads(model)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    model.eval()
+    calls_before = list(calls)
+    with torch.no_grad():
+        model(**batch, use_cache=False)  # eval: whole, one call per MLP
+    return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
+            "grads": len(grads), "missing": sorted(set(ref_grads) - set(grads)), "calls": calls_before,
+            "eval_calls": [b - a for a, b in zip(calls_before, calls)], "tiles": math.ceil(local / tile) if tile else 0,
+            "offloaded": offloader.count if offloader else 0, "offloaded_bytes": offloader.bytes if offloader else 0,
+            "hidden_bytes": local * batch["input_ids"].shape[0] * model.config.get_text_config().hidden_size * 4}
+
+
+def refused(kind: str, tile, offload=False) -> str | None:
+    """What hfcp.patch, or a training step, raised for tiled_mlp=tile and offload_checkpoints=offload on a model of
+    `kind` (its layers not checkpointed)."""
+    from hfcp.testing.tiny import tiny_model as any_tiny_model  # (every registered family, MoE included)
+
+    model = any_tiny_model(kind)
+    try:
+        hfcp.patch(model, timeout=60, tiled_mlp=tile, offload_checkpoints=offload)
+        model(**make_batch(dict(B=1, L=16)), use_cache=False)
+    except ValueError as e:  # (UnsupportedModelError too)
+        return str(e)
+    return None
