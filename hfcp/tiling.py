@@ -102,9 +102,10 @@ def _activation(module: nn.Module) -> bool:
 
 
 def _probe(mlp: nn.Module) -> str | None:
-    """The output of 4 tokens, whole and in two halves (skipped where the weights are not materialised)."""
+    """The output of 4 tokens, whole and in two halves (skipped where the weights are not materialised here: meta,
+    sharded by FSDP2 or partitioned by ZeRO-3; the other checks stand)."""
     weights = list(mlp.parameters())
-    if not weights or any(p.is_meta or p.numel() == 0 for p in weights):
+    if not weights or any(p.is_meta or p.numel() == 0 or hasattr(p, "to_local") for p in weights):
         return None
     first = next(c for c in mlp.modules() if isinstance(c, nn.Linear))
     g = torch.Generator(device="cpu").manual_seed(0)

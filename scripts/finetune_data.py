@@ -59,7 +59,7 @@ def embedded_corpus(n_docs: int, max_chars: int, seed: int) -> list[str]:
     return [key_document(rng, rng.randint(max(64, max_chars // 8), max_chars))[0] for _ in range(n_docs)]
 
 
-SHORT = (40, 100)  # characters of the curriculum's short documents: about 28 keys in a row of 2048 tokens
+SHORT = (38, 70)  # characters of the short documents (the shortest key document has 38): ~38 keys a 2048 row
 
 
 def curriculum_rows(tok, seq_len: int, short_rows: int, long_rows: int, seed: int) -> list:

@@ -46,7 +46,7 @@ from finetune_data import (  # noqa: E402
 )
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_llama.json"
-TASK_DEFAULTS = {"text": dict(seq_len=2048, batch_size=1, lr=5e-3, max_steps=800, eval_docs=8),
+TASK_DEFAULTS = {"text": dict(seq_len=2048, batch_size=1, lr=2e-3, max_steps=1200, eval_docs=8),
                  "video": dict(seq_len=None, batch_size=8, lr=3e-3, max_steps=300, eval_docs=64),
                  "dpo": dict(seq_len=256, batch_size=8, lr=5e-3, max_steps=250, eval_docs=64),
                  "grpo": dict(seq_len=128, batch_size=16, lr=3e-4, max_steps=100, eval_docs=64)}
@@ -76,9 +76,9 @@ def parse_args(argv=None):
                     help="--task grpo: supervised warm-up steps on the answers before GRPO (default 150)")
     ap.add_argument("--num-generations", type=int,
                     help="--task grpo: completions sampled per prompt, a group of GRPO (default 4)")
-    ap.add_argument("--lr", type=float, help="peak learning rate (default: text, dpo 5e-3, video 3e-3, grpo 3e-4)")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: text 2e-3, dpo 5e-3, video 3e-3, grpo 3e-4)")
     ap.add_argument("--max-steps", type=int,
-                    help="optimizer steps (default: text 800, video 300, dpo 250, grpo 100 after the warm-up)")
+                    help="optimizer steps (default: text 1200, video 300, dpo 250, grpo 100 after the warm-up)")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--loss-chunk", type=int, default=1024,
@@ -86,6 +86,9 @@ def parse_args(argv=None):
     ap.add_argument("--tiled-mlp", type=int, default=0,
                     help="tokens per tile of each decoder layer's MLP in training (hfcp.patch's tiled_mlp: the MLP's "
                          "intermediates exist for one tile at a time; 0: whole)")
+    ap.add_argument("--offload-checkpoints", action="store_true",
+                    help="with --gradient-checkpointing: each layer's checkpoint held in host memory (hfcp.patch's "
+                         "offload_checkpoints; on CPU it saves nothing)")
     ap.add_argument("--output-dir", default="runs/finetune")
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: only at the end)")
     ap.add_argument("--resume-from", help="a checkpoint directory written by --save-every")
@@ -203,6 +206,9 @@ def validate(args, world: int) -> list[str] | None:
         fail(f"--cp-size {args.cp_size} must divide the number of processes ({world})")
     if args.pp and world > 1 and world % (stages * cp):
         fail(f"--pp {args.pp} x cp {cp} must divide the number of processes ({world})")
+    if args.offload_checkpoints and not args.gradient_checkpointing:
+        fail("--offload-checkpoints holds the checkpoints of --gradient-checkpointing in host memory: add "
+             "--gradient-checkpointing")
     if args.tiled_mlp < 0:
         fail(f"--tiled-mlp {args.tiled_mlp} must be a number of tokens per tile (0: off)")
     if args.grad_accum < 1 or args.max_steps < 1 or args.batch_size < 1:
@@ -413,7 +419,7 @@ def main(argv=None):
     )
     given = {"cp_size": args.cp_size} if args.cp_size else {}  # else the whole world, or an accelerate layout's cp
     hfcp_options = dict(**given, strategy=args.strategy, loss_chunk=args.loss_chunk or None,
-                        tiled_mlp=args.tiled_mlp or False)
+                        tiled_mlp=args.tiled_mlp or False, offload_checkpoints=args.offload_checkpoints)
     if args.task == "dpo":  # DPOTrainer makes the LoRA model itself (its reference: the adapter disabled)
         import dpo_task
 

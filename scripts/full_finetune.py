@@ -111,7 +111,7 @@ def train(args, model, tok, rows, out_dir: Path, helpers) -> dict:
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hfcp.patch(model, cp_size=args.cp_size, strategy=args.strategy, loss_chunk=args.loss_chunk or None,
-               tiled_mlp=args.tiled_mlp or False)
+               tiled_mlp=args.tiled_mlp or False, offload_checkpoints=args.offload_checkpoints)
     if dist.is_initialized() and dist.get_world_size() > 1:
         shard(model)
     dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model)

@@ -63,7 +63,7 @@ def train(args, model, tok, rows, out_dir: Path, helpers, lora) -> dict:
     if world > 1:
         runner = hfcp.pipeline(model, pp_size=args.pp, cp_size=cp, schedule="1F1B", n_microbatches=args.microbatches,
                                strategy=args.strategy, loss_chunk=args.loss_chunk or None,
-                               tiled_mlp=args.tiled_mlp or False)
+                               tiled_mlp=args.tiled_mlp or False, offload_checkpoints=args.offload_checkpoints)
     else:
         runner = WholeModel(model)
     dp_rank, dp_size = hfcp.data_parallel_rank_and_size(model) if world > 1 else (0, 1)

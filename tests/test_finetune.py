@@ -151,6 +151,9 @@ BAD_INPUTS = {
     "pp_microbatches": (["--pp", "2", "--batch-size", "3", "--microbatches", "2"], {},
                         "the microbatches must divide --batch-size 3"),
     "microbatches_without_pp": (["--microbatches", "2"], {}, "--microbatches 2: an option of --pp"),
+    "offload_without_checkpointing": (["--offload-checkpoints"], {}, "--offload-checkpoints holds the checkpoints of "
+                                                                     "--gradient-checkpointing in host memory"),
+    "tiled_mlp_negative": (["--tiled-mlp", "-1"], {}, "--tiled-mlp -1 must be a number of tokens per tile"),
 }
 
 

@@ -14,3 +14,10 @@ def test_fsdp2_cp2(pool2, order):
 def test_fsdp2_over_dp2_x_cp2(pool4, order):
     for r in pool4.run(W.fsdp_step, order, 2):
         assert r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, r
+
+
+@pytest.mark.parametrize("order", ["patch_first", "shard_first"])
+def test_fsdp2_cp2_with_tiled_mlp_and_offloaded_checkpoints(pool2, order):
+    # issue 44: the MLPs in tiles of 4 of the rank's 15 tokens, the checkpointed layers' inputs in host memory
+    for r in pool2.run(W.fsdp_step, order, 2, {"tiled_mlp": 4, "offload_checkpoints": True}):
+        assert r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, r

@@ -7,9 +7,10 @@ import hfcp
 from workers_model import make_batch, tiny_model
 
 
-def fsdp_step(order: str, cp_size: int):
+def fsdp_step(order: str, cp_size: int, options: dict | None = None):
     """One step, patched before or after fully_shard; every rank's full gradients against the mean over the DP
-    groups' batches on one device (FSDP averages over all ranks: the mean over a CP group is its batch's gradient)."""
+    groups' batches on one device (FSDP averages over all ranks: the mean over a CP group is its batch's gradient).
+    options: more of hfcp.patch's; with offload_checkpoints the layers are checkpointed (non-reentrant)."""
     from torch.distributed.fsdp import fully_shard
 
     world = dist.get_world_size()
@@ -22,13 +23,16 @@ def fsdp_step(order: str, cp_size: int):
         loss.backward()
         ref_losses.append(loss.item() * len(batches))
     model = tiny_model("llama")
+    options = options or {}
+    if options.get("offload_checkpoints"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if order == "patch_first":
-        hfcp.patch(model, cp_size=cp_size)
+        hfcp.patch(model, cp_size=cp_size, **options)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     if order == "shard_first":
-        hfcp.patch(model, cp_size=cp_size)
+        hfcp.patch(model, cp_size=cp_size, **options)
     loss = model(**batches[dp_rank]).loss
     loss.backward()
     grad_err = 0.0
