@@ -243,3 +243,26 @@ def test_grpo_key_reward_counts_key_characters_in_place(monkeypatch):
 
     completions = [" ABCDEFGH.", "ABCDEFGH", " ABCDXFGH.", " XBCDEFGH", "", " ABC"]
     assert grpo_task.key_reward(completions, ["ABCDEFGH"] * 6) == [1.0, 1.0, 0.875, 0.875, 0.0, 0.375]
+
+
+def test_embedded_corpus_is_a_curriculum_read_in_order(monkeypatch):
+    """The text task's embedded rows: the first half of the steps' rows hold short key documents only (many keys a
+    row), the rest long ones; --data rows are not a curriculum (read in a seeded shuffle)."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import finetune_data
+    import finetune_lora
+
+    args = finetune_lora.parse_args(["--seq-len", "512", "--max-steps", "10", "--batch-size", "2"])
+    rows = finetune_lora.training_rows(args, finetune_data.ByteTokenizer(), None, world=1)
+    assert args.curriculum and len(rows) >= 20
+
+    def documents(row):  # token counts of a packed row's documents but its last (a position 0 starts one)
+        starts = (row[1] == 0).nonzero().flatten().tolist()
+        return [b - a for a, b in zip(starts, starts[1:])] or [len(row[1])]
+
+    short, long = [documents(r) for r in rows[:10]], [documents(r) for r in rows[10:20]]
+    assert all(max(d) <= finetune_data.SHORT[1] + 12 and len(d) >= 5 for d in short), short  # (a word over)
+    assert max(max(d) for d in long) > 2 * finetune_data.SHORT[1], long
+    args = finetune_lora.parse_args(["--seq-len", "512"])
+    finetune_lora.training_rows(args, finetune_data.ByteTokenizer(), ["a text"] * 3, world=1)
+    assert not args.curriculum
