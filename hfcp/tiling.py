@@ -110,9 +110,14 @@ def _probe(mlp: nn.Module) -> str | None:
     first = next(c for c in mlp.modules() if isinstance(c, nn.Linear))
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(1, 4, first.in_features, generator=g).to(weights[0].device, weights[0].dtype)
-    with torch.no_grad():
-        whole = mlp(x)
-        halves = torch.cat([mlp(x[:, :2]), mlp(x[:, 2:])], dim=1)
+    training = mlp.training
+    mlp.eval()  # (no dropout: the same arithmetic in each call)
+    try:
+        with torch.no_grad():
+            whole = mlp(x)
+            halves = torch.cat([mlp(x[:, :2]), mlp(x[:, 2:])], dim=1)
+    finally:
+        mlp.train(training)
     if not isinstance(whole, torch.Tensor) or whole.shape != halves.shape:
         return "its output is not one tensor per token"
     scale = float(whole.abs().max()) or 1.0
@@ -122,15 +127,20 @@ def _probe(mlp: nn.Module) -> str | None:
     return None
 
 
-def tiled_forward(forward, tile: int):
-    """`forward` (a module's bound forward of one hidden-states tensor) run over tiles of `tile` tokens (dim -2),
-    each checkpointed, in training forwards longer than one tile; whole otherwise."""
+def tiled_forward(module: nn.Module, forward, tile: int):
+    """`forward` (the module's forward of one hidden-states tensor) run over tiles of `tile` tokens (dim -2), each
+    checkpointed, in training forwards longer than one tile; whole otherwise."""
 
     @functools.wraps(forward)
     def run(hidden_states, *args, **kwargs):
         n = hidden_states.shape[-2] if hidden_states.dim() >= 2 else 0
-        if args or kwargs or n <= tile or not torch.is_grad_enabled() or not forward.__self__.training:
+        if args or kwargs or n <= tile or not torch.is_grad_enabled() or not module.training:
             return forward(hidden_states, *args, **kwargs)
+        if any(hasattr(p, "ds_id") or hasattr(p, "to_local") for p in module.parameters()):
+            raise ValueError(f"tiled_mlp: {type(module).__name__}'s weights are sharded per module here (DeepSpeed "
+                             "ZeRO-3, or FSDP2 on the MLP's own layers): each tile would gather them again, a "
+                             "collective whose count differs between ranks of other lengths; shard whole decoder "
+                             "layers (fully_shard(layer)), or pass tiled_mlp=False")
         tiles = [checkpoint(forward, part, use_reentrant=False) for part in hidden_states.split(tile, dim=-2)]
         return torch.cat(tiles, dim=-2)
 
@@ -141,7 +151,7 @@ def tiled_forward(forward, tile: int):
 def tile_mlps(mlps: list[nn.Module], tile: int):
     """Bind the tiled forward on each MLP; returns the undo."""
     for mlp in mlps:
-        mlp.forward = tiled_forward(mlp.forward, tile)
+        mlp.forward = tiled_forward(mlp, mlp.forward, tile)
 
     def undo():
         for mlp in mlps:

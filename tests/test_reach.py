@@ -43,6 +43,7 @@ def test_offload_checkpoints_exact_at_cp2(pool2, kind, tile, lora, checkpointing
     ("mixtral", 8, False, "tiled_mlp: decoder layer 0's MixtralSparseMoeBlock is not a block hfcp can show computes "
                           "each token alone"),
     ("llama", False, "yes", "offload_checkpoints='yes' must be True or False"),
+    ("zero3", 2, False, "tiled_mlp: LlamaMLP's weights are sharded per module here (DeepSpeed ZeRO-3"),
     ("llama", False, True, "offload_checkpoints=True: LlamaForCausalLM's decoder layers are not checkpointed"),
 ])
 def test_reach_options_refused_by_name(pool2, kind, tile, offload, message):
