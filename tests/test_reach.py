@@ -22,6 +22,7 @@ def test_tiled_mlp_exact_at_cp2(pool2, kind, tile, lora, checkpointing):
         for calls in r["calls"]:  # each tile in forward and again in backward (and in the layer's recompute)
             assert calls == 2 * r["tiles"] if not checkpointing else calls >= 2 * r["tiles"], (r["calls"], r["tiles"])
         assert r["eval_calls"] == [1] * len(r["calls"]), r  # no tiles without gradients
+        assert not r["left_after_unpatch"], r  # hfcp.unpatch gives the MLPs their own forwards back
 
 
 @pytest.mark.parametrize("kind, tile, lora, checkpointing", [
@@ -35,6 +36,7 @@ def test_offload_checkpoints_exact_at_cp2(pool2, kind, tile, lora, checkpointing
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["grads"] > 0 and not r["missing"], r
         # every checkpointed layer's input (the residual stream) went to the host, with a few tensors beside
         assert r["offloaded_bytes"] >= 2 * r["hidden_bytes"], r
+        assert not r["left_after_unpatch"], r
 
 
 @pytest.mark.parametrize("kind, tile, offload, message", [

@@ -74,10 +74,13 @@ def tiled_step(kind: str, tile: int, lora: bool = False, checkpointing: bool | s
     calls_before = list(calls)
     with torch.no_grad():
         model(**batch, use_cache=False)  # eval: whole, one call per MLP
+    hfcp.unpatch(model)
+    left = [type(m).__name__ for m in model.modules() if hasattr(m.__dict__.get("forward"), "hfcp_tile")
+            or hasattr(m.__dict__.get("forward"), "hfcp_offload")]
     return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
             "grads": len(grads), "missing": sorted(set(ref_grads) - set(grads)), "calls": calls_before,
             "eval_calls": [b - a for a, b in zip(calls_before, calls)], "tiles": math.ceil(local / tile) if tile else 0,
-            "offloaded": offloader.count if offloader else 0, "offloaded_bytes": offloader.bytes if offloader else 0,
+            "left_after_unpatch": left, "offloaded": offloader.count if offloader else 0, "offloaded_bytes": offloader.bytes if offloader else 0,
             "hidden_bytes": local * batch["input_ids"].shape[0] * model.config.get_text_config().hidden_size * 4}
 
 
