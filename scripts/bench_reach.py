@@ -123,6 +123,7 @@ def measure(args) -> None:
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"arm": args.arm, "seq_len": args.seq_len, "peak_mb": max(worst), "loss": loss}),
               flush=True)
+    dist.barrier()  # (gloo can abort a rank that tears down while its peer still sends)
     dist.destroy_process_group()
 
 

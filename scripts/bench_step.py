@@ -333,6 +333,7 @@ def main():
         result["cpu_s"] = max(c for _, c in gathered)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result), flush=True)
+        dist.barrier()  # (gloo can abort a rank that tears down while its peer still sends)
         dist.destroy_process_group()
     else:
         print("RESULT " + json.dumps(result), flush=True)
