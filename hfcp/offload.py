@@ -4,10 +4,16 @@ memory, brought back when backward needs it.
 
 Inside a checkpointed layer torch's checkpoint keeps nothing (its own saved-tensor hooks), so hooks around the
 whole forward see exactly the checkpoints (every layer's input) and the few tensors saved outside the layers (the
-final norm's input, the loss's hidden states). On CUDA each is copied into pinned host memory on a side stream,
-overlapped with the forward's compute, and back on the compute stream in backward; parameters stay where they are.
-On CPU the same path runs (a copy into host memory, which saves nothing there). The values are the same tensors'
-copies: exact.
+final norm's input, the loss's hidden states). On CUDA each is copied into pinned host memory without blocking the
+host, and back in backward; parameters stay where they are. On CPU the same path runs (a copy into host memory,
+which saves nothing there). The values are the same tensors' copies: exact.
+
+The copies run on the compute stream, not a side stream: a side stream's copy could still be reading a tensor when
+the compute stream modifies it in place (saved-tensor hooks bypass autograd's version check, so nothing would
+notice), and ordering the two streams by hand at every in-place operation is not possible from a hook. On the
+compute stream the copy engine works while the host runs ahead, and a kernel that reuses or modifies the memory is
+ordered after the copy; what is given up is the overlap of the copy with kernels queued behind it (one layer's
+input per layer: tokens x hidden bytes, against the layer's compute).
 """
 from __future__ import annotations
 
@@ -22,7 +28,6 @@ class Offloader:
 
     def __init__(self):
         self.count = self.bytes = 0
-        self._stream = None
 
     def pack(self, tensor: torch.Tensor):
         if isinstance(tensor, nn.Parameter) or isinstance(getattr(tensor, "_base", None), nn.Parameter) or \
@@ -31,27 +36,17 @@ class Offloader:
         self.count += 1
         self.bytes += tensor.numel() * tensor.element_size()
         if tensor.device.type != "cuda":
-            return (tensor.device, tensor.detach().to("cpu", copy=True), None)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(tensor.device)
-        self._stream.wait_stream(torch.cuda.current_stream(tensor.device))  # (the tensor's producer first)
+            return (tensor.device, tensor.detach().to("cpu", copy=True))
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        with torch.cuda.stream(self._stream):
-            host.copy_(tensor.detach(), non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        tensor.record_stream(self._stream)  # (its memory is not reused before the copy ends)
-        return (tensor.device, host, done)
+        host.copy_(tensor.detach(), non_blocking=True)  # (on the compute stream: see the module's docstring)
+        return (tensor.device, host)
 
     @staticmethod
     def unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        device, host, done = packed
-        if done is None:
-            return host.to(device)
-        torch.cuda.current_stream(device).wait_event(done)
-        return host.to(device, non_blocking=True)
+        device, host = packed
+        return host.to(device, non_blocking=host.is_pinned())
 
 
 def check_offload_checkpoints(value) -> None:

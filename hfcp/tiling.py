@@ -7,11 +7,19 @@ Exact because the MLP computes each token alone: the same arithmetic on each tok
 only MLPs it can show are so (`check_per_token`): a module whose children are linear layers (PEFT-wrapped or not)
 and activations, whose forward reads no other dimension than the features, and whose output for some tokens does
 not change with the others (a small probe). Anything else is refused by name.
+
+A mixture-of-experts block is not per-token as a whole (its router may add noise, and the router aux loss reads
+every token's logits), but its experts are: transformers' experts modules take (hidden_states, top_k_index,
+top_k_weights), one row per token, and compute each row from its own. hfcp tiles the experts' call (and a shared
+expert that passes the MLP checks) and leaves the router whole, so the router logits, the aux loss and any noise
+are the untiled model's. The experts are shown per-token by a probe: the block run on 4 tokens, the arguments its
+experts got, and the experts on those whole and in two halves.
 """
 from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import re
 import textwrap
 
@@ -23,6 +31,7 @@ from .families.introspect import decoder_layers, forward_source
 from .families.registry import UnsupportedModelError
 
 MLP_NAMES = ("mlp", "feed_forward", "ffn")  # a decoder layer's per-token block, by the names transformers uses
+EXPERTS_NAME = "experts"  # a mixture-of-experts block's experts, called with (hidden_states, top_k_index, top_k_weights)
 _SEQUENCE_OPS = re.compile(r"dim\s*=\s*(0|1|-2)|\.(sum|mean|cumsum|cumprod|roll|topk|sort|softmax|max|min)\(|conv|"
                            r"router|expert|gather|scatter|index|shape|size\(|view\(|reshape|transpose|permute|cat\(")
 
@@ -58,13 +67,64 @@ def mlps_to_tile(model) -> list[nn.Module]:
                                         f"{list(MLP_NAMES)}; pass tiled_mlp=False")
         name = type(mlp).__name__
         if name not in seen:
-            seen[name] = check_per_token(mlp)
-        if seen[name]:
+            seen[name] = _verdict(mlp)
+        moe, why = seen[name]
+        if why:
             raise UnsupportedModelError(f"tiled_mlp: decoder layer {i}'s {name} is not a block hfcp can show computes "
-                                        f"each token alone ({seen[name]}); tiling it would not be exact, so it is "
+                                        f"each token alone ({why}); tiling it would not be exact, so it is "
                                         "refused: pass tiled_mlp=False")
-        out.append(mlp)
+        out += [getattr(mlp, EXPERTS_NAME), *_shared_mlps(mlp)] if moe else [mlp]
     return out
+
+
+def _verdict(mlp: nn.Module) -> tuple[bool, str | None]:
+    """(whether `mlp` is tiled as a mixture of experts, why it cannot be tiled or None)."""
+    why = check_per_token(mlp)
+    if why is None or not isinstance(getattr(mlp, EXPERTS_NAME, None), nn.Module):
+        return False, why
+    return True, check_experts(mlp)
+
+
+def _shared_mlps(block: nn.Module) -> list[nn.Module]:
+    """A mixture-of-experts block's other children that are per-token MLPs (a shared expert), tiled beside the
+    experts; the rest (the router, a shared expert's gate) run whole."""
+    return [c for n, c in block.named_children() if n != EXPERTS_NAME and any(True for _ in c.children())
+            and check_per_token(c) is None]
+
+
+def check_experts(block: nn.Module) -> str | None:
+    """Why the experts of the mixture-of-experts `block` may not compute each token (row) alone, or None when they
+    do: the block run on 4 tokens in eval mode, the arguments its experts were called with kept, and the experts'
+    output on those whole against in two halves (each half's rows with their own indices and weights)."""
+    experts = getattr(block, EXPERTS_NAME)
+    params = list(inspect.signature(experts.forward).parameters)
+    if len(params) != 3:
+        return f"its {type(experts).__name__} takes ({', '.join(params)}), not (hidden_states, top_k_index, " \
+               "top_k_weights)"
+    weights = list(block.parameters())
+    if any(p.is_meta or p.numel() == 0 or hasattr(p, "to_local") for p in weights):
+        return None  # (not materialised here: the signature check stands, as _probe)
+    seen = []
+    hook = experts.register_forward_pre_hook(lambda _, args: seen.append(args))
+    width = next(p for p in weights if p.dim() >= 2).shape[-1]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(1, 4, width, generator=g).to(weights[0].device, weights[0].dtype)
+    training = block.training
+    block.eval()
+    try:
+        with torch.no_grad():
+            block(x)
+            if len(seen) != 1 or len(seen[0]) != 3 or not all(isinstance(a, torch.Tensor) and a.dim() == 2
+                                                                and a.shape[0] == 4 for a in seen[0]):
+                return f"its {type(experts).__name__} was not called once with three (tokens, ...) tensors"
+            whole = experts(*seen[0])
+            halves = torch.cat([experts(*(a[:2] for a in seen[0])), experts(*(a[2:] for a in seen[0]))])
+    except Exception as e:  # noqa: BLE001 - a block of another form: not one hfcp can show is per-token
+        return f"its probe raised {type(e).__name__}: {e}"
+    finally:
+        hook.remove()
+        block.train(training)
+    return _compare(whole, halves, f"its {type(experts).__name__}'s output for two tokens changes with the other two")
 
 
 def check_per_token(mlp: nn.Module) -> str | None:
@@ -118,31 +178,35 @@ def _probe(mlp: nn.Module) -> str | None:
             halves = torch.cat([mlp(x[:, :2]), mlp(x[:, 2:])], dim=1)
     finally:
         mlp.train(training)
+    return _compare(whole, halves, "its output for two tokens changes with the other two")
+
+
+def _compare(whole, halves, differs: str) -> str | None:
     if not isinstance(whole, torch.Tensor) or whole.shape != halves.shape:
         return "its output is not one tensor per token"
     scale = float(whole.abs().max()) or 1.0
     tol = 1e-4 if whole.dtype == torch.float32 else 2e-2
-    if float((whole - halves).abs().max()) > tol * scale:
-        return "its output for two tokens changes with the other two"
-    return None
+    return differs if float((whole - halves).abs().max()) > tol * scale else None
 
 
 def tiled_forward(module: nn.Module, forward, tile: int):
-    """`forward` (the module's forward of one hidden-states tensor) run over tiles of `tile` tokens (dim -2), each
+    """`forward` (the module's forward of tensors with one row per token: an MLP's hidden states, or the experts'
+    hidden states, indices and weights) run over tiles of `tile` tokens (dim -2 of every argument), each
     checkpointed, in training forwards longer than one tile; whole otherwise."""
 
     @functools.wraps(forward)
-    def run(hidden_states, *args, **kwargs):
-        n = hidden_states.shape[-2] if hidden_states.dim() >= 2 else 0
-        if args or kwargs or n <= tile or not torch.is_grad_enabled() or not module.training:
-            return forward(hidden_states, *args, **kwargs)
+    def run(*args, **kwargs):
+        n = args[0].shape[-2] if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2 else 0
+        if kwargs or n <= tile or not torch.is_grad_enabled() or not module.training or \
+                not all(isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-2] == n for a in args):
+            return forward(*args, **kwargs)
         if any(hasattr(p, "ds_id") or hasattr(p, "to_local") for p in module.parameters()):
             raise ValueError(f"tiled_mlp: {type(module).__name__}'s weights are sharded per module here (DeepSpeed "
                              "ZeRO-3, or FSDP2 on the MLP's own layers): each tile would gather them again, a "
                              "collective whose count differs between ranks of other lengths; shard whole decoder "
                              "layers (fully_shard(layer)), or pass tiled_mlp=False")
-        tiles = [checkpoint(forward, part, use_reentrant=False) for part in hidden_states.split(tile, dim=-2)]
-        return torch.cat(tiles, dim=-2)
+        parts = zip(*(a.split(tile, dim=-2) for a in args))
+        return torch.cat([checkpoint(forward, *part, use_reentrant=False) for part in parts], dim=-2)
 
     run.hfcp_tile = tile
     return run

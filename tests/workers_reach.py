@@ -10,7 +10,10 @@ import torch
 import hfcp
 from hfcp.commands.verify import grad_error
 from hfcp.state import find_pretrained
+from hfcp.tiling import mlps_to_tile
 from workers_model import averaged_grads, make_batch, tiny_model
+
+MOE = ("mixtral", "qwen2_moe")  # experts tiled (and Qwen2-MoE's shared expert), routers whole
 
 
 def _models(kind: str, lora: bool):
@@ -27,6 +30,10 @@ def _models(kind: str, lora: bool):
         from workers_vlm import tiny_vlm, vlm_batch
 
         models, b = (tiny_vlm(kind), tiny_vlm(kind)), vlm_batch(kind, "two_images")
+    elif kind in MOE:  # every registered family's tiny config: the router aux loss on
+        from hfcp.testing.tiny import tiny_model as any_tiny_model
+
+        models, b = (any_tiny_model(kind), any_tiny_model(kind)), make_batch(dict(B=2, L=64, packed=True))
     else:
         models, b = (tiny_model(kind, num_hidden_layers=3), tiny_model(kind, num_hidden_layers=3)), \
             make_batch(dict(B=2, L=64, packed=True))
@@ -56,12 +63,12 @@ def tiled_step(kind: str, tile: int, lora: bool = False, checkpointing: bool | s
     ref, model, batch = _models(kind, lora)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    tiled = mlps_to_tile(find_pretrained(model)) if tile else []
+    calls, rows = [0] * len(tiled), [0] * len(tiled)
+    for i, part in enumerate(tiled):  # count each call (a forward tile, or its recompute) and the rows it got
+        part.forward = _counted(part.forward, calls, rows, i)
     hfcp.patch(model, timeout=60, tiled_mlp=tile or False, offload_checkpoints=offload)
-    mlps = [m for m in model.modules() if getattr(m.__dict__.get("forward"), "hfcp_tile", None) == tile]
-    calls = [0] * len(mlps)
-    for i, mlp in enumerate(mlps):
-        first = next(c for c in mlp.modules() if isinstance(c, torch.nn.Linear))  # (a recompute stops early: before
-        first.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))  # the last ends)
+    calls[:], rows[:] = [0] * len(tiled), [0] * len(tiled)  # (not the probes hfcp.patch ran)
     want = ref(**batch, use_cache=False).loss
     want.backward()
     got = model(**batch, use_cache=False).loss
@@ -71,17 +78,26 @@ def tiled_step(kind: str, tile: int, lora: bool = False, checkpointing: bool | s
     grads = averaged_grads(model)
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     model.eval()
-    calls_before = list(calls)
+    calls_before, rows_training = list(calls), list(rows)
     with torch.no_grad():
         model(**batch, use_cache=False)  # eval: whole, one call per MLP
+    whole = [b - a for a, b in zip(rows_training, rows)]
     hfcp.unpatch(model)
     left = [type(m).__name__ for m in model.modules() if hasattr(m.__dict__.get("forward"), "hfcp_tile")
             or hasattr(m.__dict__.get("forward"), "hfcp_offload")]
     return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
             "grads": len(grads), "missing": sorted(set(ref_grads) - set(grads)), "calls": calls_before,
-            "eval_calls": [b - a for a, b in zip(calls_before, calls)], "tiles": math.ceil(local / tile) if tile else 0,
+            "eval_calls": [b - a for a, b in zip(calls_before, calls)], "tiles": [math.ceil(n / tile) for n in whole],
             "left_after_unpatch": left, "offloaded": offloader.count if offloader else 0, "offloaded_bytes": offloader.bytes if offloader else 0,
             "hidden_bytes": local * batch["input_ids"].shape[0] * model.config.get_text_config().hidden_size * 4}
+
+
+def _counted(forward, calls: list, rows: list, i: int):
+    def run(x, *args, **kwargs):
+        calls[i] += 1
+        rows[i] += x.shape[-2]
+        return forward(x, *args, **kwargs)
+    return run
 
 
 def refused(kind: str, tile, offload=False) -> str | None:
@@ -89,7 +105,13 @@ def refused(kind: str, tile, offload=False) -> str | None:
     `kind` (its layers not checkpointed)."""
     from hfcp.testing.tiny import tiny_model as any_tiny_model  # (every registered family, MoE included)
 
-    model = any_tiny_model("llama" if kind == "zero3" else kind)
+    model = any_tiny_model({"zero3": "llama", "mixtral_capacity": "mixtral"}.get(kind, kind))
+    if kind == "mixtral_capacity":  # experts whose rows depend on how many there are (as a capacity limit would)
+        experts = model.model.layers[0].mlp.experts
+        capacity = type("CapacityExperts", (type(experts),), {
+            "forward": lambda self, h, i, w: super(capacity, self).forward(h, i, w) * h.shape[0]})
+        for layer in model.model.layers:
+            layer.mlp.experts.__class__ = capacity
     if kind == "zero3":  # weights partitioned per module, as DeepSpeed ZeRO-3 marks them
         model.model.layers[0].mlp.up_proj.weight.ds_id = 0
     try:
