@@ -16,6 +16,8 @@ import workers_reach as W
     ("llava", 8, False, False),  # VLM: the language model's MLPs
     ("mixtral", 16, False, False),  # MoE: the experts tiled, the router (and its aux loss) whole
     ("qwen2_moe", 16, True, True),  # and the shared expert, LoRA on it
+    ("deepseek_v3", 16, False, False),  # shared experts, group-limited routing
+    ("gpt_oss", 16, False, False),  # experts with biases and a clamped SwiGLU, (router_indices, routing_weights)
 ])
 def test_tiled_mlp_exact_at_cp2(pool2, kind, tile, lora, checkpointing):
     for r in pool2.run(W.tiled_step, kind, tile, lora, checkpointing):

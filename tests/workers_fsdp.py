@@ -7,22 +7,25 @@ import hfcp
 from workers_model import make_batch, tiny_model
 
 
-def fsdp_step(order: str, cp_size: int, options: dict | None = None):
+def fsdp_step(order: str, cp_size: int, options: dict | None = None, family: str = "llama"):
     """One step, patched before or after fully_shard; every rank's full gradients against the mean over the DP
     groups' batches on one device (FSDP averages over all ranks: the mean over a CP group is its batch's gradient).
-    options: more of hfcp.patch's; with offload_checkpoints the layers are checkpointed (non-reentrant)."""
+    options: more of hfcp.patch's; with offload_checkpoints the layers are checkpointed (non-reentrant). family:
+    "llama", or any registered family's tiny model (hfcp.testing.tiny: an MoE with its router aux loss on)."""
+    from hfcp.testing.tiny import tiny_model as any_tiny_model
     from torch.distributed.fsdp import fully_shard
 
     world = dist.get_world_size()
     dp_rank = dist.get_rank() // cp_size
     batches = [make_batch(dict(B=2, L=30, packed=True, seed=1 + d)) for d in range(world // cp_size)]
-    ref = tiny_model("llama")
+    build = (lambda: tiny_model("llama")) if family == "llama" else (lambda: any_tiny_model(family))
+    ref = build()
     ref_losses = []
     for b in batches:
         loss = ref(**b, use_cache=False).loss / len(batches)
         loss.backward()
         ref_losses.append(loss.item() * len(batches))
-    model = tiny_model("llama")
+    model = build()
     options = options or {}
     if options.get("offload_checkpoints"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -11,9 +11,7 @@ import hfcp
 from hfcp.commands.verify import grad_error
 from hfcp.state import find_pretrained
 from hfcp.tiling import mlps_to_tile
-from workers_model import averaged_grads, make_batch, tiny_model
-
-MOE = ("mixtral", "qwen2_moe")  # experts tiled (and Qwen2-MoE's shared expert), routers whole
+from workers_model import CONFIGS, averaged_grads, make_batch, tiny_model
 
 
 def _models(kind: str, lora: bool):
@@ -30,10 +28,10 @@ def _models(kind: str, lora: bool):
         from workers_vlm import tiny_vlm, vlm_batch
 
         models, b = (tiny_vlm(kind), tiny_vlm(kind)), vlm_batch(kind, "two_images")
-    elif kind in MOE:  # every registered family's tiny config: the router aux loss on
-        from hfcp.testing.tiny import tiny_model as any_tiny_model
+    elif kind not in CONFIGS:  # any registered family's tiny config (MoE: the router aux loss on), one document a
+        from hfcp.testing.tiny import tiny_model as any_tiny_model  # row (hybrids refuse packed rows)
 
-        models, b = (any_tiny_model(kind), any_tiny_model(kind)), make_batch(dict(B=2, L=64, packed=True))
+        models, b = (any_tiny_model(kind), any_tiny_model(kind)), make_batch(dict(B=2, L=64))
     else:
         models, b = (tiny_model(kind, num_hidden_layers=3), tiny_model(kind, num_hidden_layers=3)), \
             make_batch(dict(B=2, L=64, packed=True))
