@@ -1,5 +1,5 @@
 """hfcp.patch(tiled_mlp=...): each decoder layer's MLP computed over tiles of the sequence in training forwards, each
-tile checkpointed (recomputed in backward, one tile at a time), so the MLP's intermediates (tokens x intermediate
+tile recomputed in backward one at a time (TiledCall), so the MLP's intermediates (tokens x intermediate
 size x a few tensors, the largest activations of a layer at long lengths) exist for one tile, never for the whole
 local sequence.
 
@@ -25,7 +25,6 @@ import textwrap
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .families.introspect import decoder_layers, forward_source
 from .families.registry import UnsupportedModelError
@@ -189,10 +188,51 @@ def _compare(whole, halves, differs: str) -> str | None:
     return differs if float((whole - halves).abs().max()) > tol * scale else None
 
 
+class TiledCall(torch.autograd.Function):
+    """forward(*args) over tiles of `tile` tokens (dim -2 of every argument): in forward without autograd's record,
+    in backward each tile recomputed and differentiated alone, so one tile's intermediates exist at a time.
+
+    The module's trainable parameters are inputs too: their gradients, summed over the tiles, are returned as this
+    function's, so each parameter's gradient arrives once per backward, as without tiles (DDP marks it ready once,
+    DeepSpeed ZeRO-3 reduces it once, FSDP2 reduce-scatters it once). ZeRO-3 gathers the weights once for the
+    call and once for its backward, by its hooks on the tiled module (a ZeRO-3 leaf: tile_mlps)."""
+
+    @staticmethod
+    def forward(ctx, forward, tile: int, n_args: int, *inputs):
+        args, ctx.n_params = inputs[:n_args], len(inputs) - n_args
+        ctx.forward, ctx.tile = forward, tile
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            return torch.cat([forward(*part) for part in zip(*(a.split(tile, dim=-2) for a in args))], dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved, tile = ctx.saved_tensors, ctx.tile
+        args, params = saved[: len(saved) - ctx.n_params], saved[len(saved) - ctx.n_params :]
+        needs = ctx.needs_input_grad[3 : 3 + len(args)]
+        arg_grads = [[] for _ in args]
+        param_grads = [None] * len(params)
+        for part, g in zip(zip(*(a.split(tile, dim=-2) for a in args)), grad.split(tile, dim=-2)):
+            xs = [x.detach().requires_grad_(need) for x, need in zip(part, needs)]
+            with torch.enable_grad():
+                out = ctx.forward(*xs)
+            wrt = [x for x, need in zip(xs, needs) if need] + list(params)
+            got = iter(torch.autograd.grad(out, wrt, g, allow_unused=True))
+            for into, x, need in zip(arg_grads, xs, needs):
+                into.append(next(got) if need else None)
+            for i, pg in enumerate(got):
+                if pg is not None:
+                    param_grads[i] = pg if param_grads[i] is None else param_grads[i] + pg
+        cat = [torch.cat([g if g is not None else torch.zeros_like(x) for g, x in zip(parts, part_inputs)], dim=-2)
+               if need else None
+               for parts, need, part_inputs in zip(arg_grads, needs, (a.split(tile, dim=-2) for a in args))]
+        return (None, None, None, *cat, *param_grads)
+
+
 def tiled_forward(module: nn.Module, forward, tile: int):
     """`forward` (the module's forward of tensors with one row per token: an MLP's hidden states, or the experts'
-    hidden states, indices and weights) run over tiles of `tile` tokens (dim -2 of every argument), each
-    checkpointed, in training forwards longer than one tile; whole otherwise."""
+    hidden states, indices and weights) run over tiles of `tile` tokens (dim -2 of every argument) by TiledCall in
+    training forwards longer than one tile; whole otherwise."""
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
@@ -200,25 +240,49 @@ def tiled_forward(module: nn.Module, forward, tile: int):
         if kwargs or n <= tile or not torch.is_grad_enabled() or not module.training or \
                 not all(isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-2] == n for a in args):
             return forward(*args, **kwargs)
-        if any(hasattr(p, "ds_id") or hasattr(p, "to_local") for p in module.parameters()):
-            raise ValueError(f"tiled_mlp: {type(module).__name__}'s weights are sharded per module here (DeepSpeed "
-                             "ZeRO-3, or FSDP2 on the MLP's own layers): each tile would gather them again, a "
-                             "collective whose count differs between ranks of other lengths; shard whole decoder "
-                             "layers (fully_shard(layer)), or pass tiled_mlp=False")
-        parts = zip(*(a.split(tile, dim=-2) for a in args))
-        return torch.cat([checkpoint(forward, *part, use_reentrant=False) for part in parts], dim=-2)
+        params = [p for p in module.parameters() if p.requires_grad]
+        check_gathered_once(module)
+        return TiledCall.apply(forward, tile, len(args), *args, *params)
 
     run.hfcp_tile = tile
     return run
 
 
+def check_gathered_once(module: nn.Module) -> None:
+    """Raises ValueError where the tiled module's weights would be gathered per tile: weights that FSDP2 shards on
+    the module's own sub-layers, or that DeepSpeed ZeRO-3 gathers per sub-layer (the module not a ZeRO-3 leaf, as
+    when hfcp.patch ran after deepspeed.initialize). A gather per tile costs a collective each, and ranks holding
+    other lengths would make other numbers of them: a hang."""
+    own = {id(p) for p in module.parameters(recurse=False)}
+    for name, p in module.named_parameters():
+        if hasattr(p, "to_local"):
+            raise ValueError(f"tiled_mlp: {type(module).__name__}'s weights are sharded by FSDP2 on its own layers "
+                             f"({name}): each tile would gather them again; shard whole decoder layers "
+                             "(fully_shard(layer)), or pass tiled_mlp=False")
+        leaf = getattr(p, "ds_z3_leaf_module", None)
+        if hasattr(p, "ds_id") and id(p) not in own and not (leaf is not None and
+                                                               any(m is module for m in leaf.modules())):
+            raise ValueError(f"tiled_mlp: {type(module).__name__}'s weights are gathered by DeepSpeed ZeRO-3 per "
+                             f"sub-layer ({name}): each tile would gather them again. hfcp.patch marks the tiled "
+                             "MLPs ZeRO-3 leaves (gathered once per call); call it before deepspeed.initialize (or "
+                             "the trainer), or mark them yourself with deepspeed.utils.set_z3_leaf_modules, or pass "
+                             "tiled_mlp=False")
+
+
 def tile_mlps(mlps: list[nn.Module], tile: int):
-    """Bind the tiled forward on each MLP; returns the undo."""
+    """Bind the tiled forward on each MLP, and mark each a DeepSpeed ZeRO-3 leaf (`_z3_leaf`, the attribute
+    deepspeed.utils.set_z3_leaf_modules sets; read when ZeRO-3 registers its hooks): ZeRO-3 then gathers an MLP's
+    weights once per call and once for its backward, not per sub-layer per tile. Returns the undo."""
+    marked = [m for m in mlps if not getattr(m, "_z3_leaf", False)]
     for mlp in mlps:
         mlp.forward = tiled_forward(mlp, mlp.forward, tile)
+    for mlp in marked:
+        mlp._z3_leaf = True
 
     def undo():
         for mlp in mlps:
             if "forward" in mlp.__dict__:
                 del mlp.forward
+        for mlp in marked:
+            mlp.__dict__.pop("_z3_leaf", None)
     return undo

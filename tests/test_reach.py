@@ -52,7 +52,7 @@ def test_offload_checkpoints_exact_at_cp2(pool2, kind, tile, lora, checkpointing
                               "top_k_index, top_k_weights))"),
     ("mixtral_capacity", 8, False, "(its CapacityExperts's output for two tokens changes with the other two)"),
     ("llama", False, "yes", "offload_checkpoints='yes' must be True or False"),
-    ("zero3", 2, False, "tiled_mlp: LlamaMLP's weights are sharded per module here (DeepSpeed ZeRO-3"),
+    ("zero3", 2, False, "tiled_mlp: LlamaMLP's weights are gathered by DeepSpeed ZeRO-3 per sub-layer (up_proj.weight)"),
     ("llama", False, True, "offload_checkpoints=True: LlamaForCausalLM's decoder layers are not checkpointed"),
 ])
 def test_reach_options_refused_by_name(pool2, kind, tile, offload, message):

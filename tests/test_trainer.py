@@ -89,6 +89,15 @@ def test_deepspeed_zero3_cp2_equals_one_process(pool2, reference):
         assert_same_run(got, reference[1], skip=ZERO3_FLOS)
 
 
+def test_deepspeed_zero3_cp2_with_tiled_mlp_equals_one_process(pool2, reference):
+    """issue 44: every MLP in tiles of 4 tokens under ZeRO-3, every weight trained: hfcp.patch (in the trainer, before
+    deepspeed.initialize) marks the MLPs ZeRO-3 leaves, so their weights are gathered once per call, and each
+    weight's gradient, accumulated tile by tile, is reduced once (after the last tile)."""
+    pytest.importorskip("deepspeed")
+    for got in pool2.run(W.deepspeed_run, 4, None, 1, {"tiled_mlp": 4}, timeout=600):
+        assert_same_run(got, reference[1], skip=ZERO3_FLOS)
+
+
 def test_deepspeed_zero3_dp2_cp2_with_gradient_accumulation(pool4, reference):
     pytest.importorskip("deepspeed")
     for got in pool4.run(W.deepspeed_run, 2, 2, 2, timeout=600):

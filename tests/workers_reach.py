@@ -110,7 +110,7 @@ def refused(kind: str, tile, offload=False) -> str | None:
             "forward": lambda self, h, i, w: super(capacity, self).forward(h, i, w) * h.shape[0]})
         for layer in model.model.layers:
             layer.mlp.experts.__class__ = capacity
-    if kind == "zero3":  # weights partitioned per module, as DeepSpeed ZeRO-3 marks them
+    if kind == "zero3":  # weights gathered per sub-layer: as ZeRO-3 registers an MLP that is not a leaf (patched after it)
         model.model.layers[0].mlp.up_proj.weight.ds_id = 0
     try:
         hfcp.patch(model, timeout=60, tiled_mlp=tile, offload_checkpoints=offload)

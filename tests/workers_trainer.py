@@ -155,8 +155,9 @@ ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold":
          "gradient_clipping": "auto", "bf16": {"enabled": False}, "fp16": {"enabled": False}}
 
 
-def deepspeed_run(per_device: int, cp_size=None, accum: int = 1):
-    """DeepSpeed ZeRO-3 (parameters, gradients and optimizer states partitioned over all processes) on CPU."""
+def deepspeed_run(per_device: int, cp_size=None, accum: int = 1, options=None):
+    """DeepSpeed ZeRO-3 (parameters, gradients and optimizer states partitioned over all processes) on CPU. options:
+    more of hfcp.patch's, given to the trainer."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -166,8 +167,12 @@ def deepspeed_run(per_device: int, cp_size=None, accum: int = 1):
     # machine, every CI run); marked unavailable, DeepSpeed reduces through torch.distributed (gloo) instead
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     try:
-        result = train_run(per_device, cp_size, "ring", False, {"deepspeed": ZERO3, "gradient_accumulation_steps": accum})
+        result = train_run(per_device, cp_size, "ring", False, {"deepspeed": ZERO3, "gradient_accumulation_steps": accum},
+                           options=options)
     finally:  # DeepSpeed's process-wide settings would follow later tests in this pool process
+        import deepspeed.utils.groups
+
+        deepspeed.utils.groups._WORLD_GROUP = None  # (its clone of the world group, which a later run finds destroyed)
         unset_hf_deepspeed_config()
         os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
         _reset_accelerate()
