@@ -37,3 +37,9 @@ def test_compiled_with_checkpointing_cp2_equals_eager_one_process(pool2):
 def test_fullgraph_is_refused_with_hfcps_reason(pool2):
     for msg in pool2.run(W.fullgraph_refused):
         assert "hfcp's LossHook.pre_forward reads the step's layout" in msg and "without fullgraph=True" in msg, msg
+
+
+def test_compiled_with_tiled_mlp_and_offloaded_checkpoints_cp2_equals_eager_one_process(pool2):
+    # issue 44: the MLPs in tiles (hfcp's autograd function, run between graphs), checkpoints offloaded
+    assert_exact(pool2.run(W.compiled_steps, "llama", "whole", "aot_eager", True,
+                           {"tiled_mlp": 4, "offload_checkpoints": True}))

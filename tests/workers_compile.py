@@ -44,10 +44,12 @@ def _compile(model, how: str, backend: str):
     return model
 
 
-def compiled_steps(kind: str, how: str, backend: str = "aot_eager", checkpointing: bool = False) -> dict:
+def compiled_steps(kind: str, how: str, backend: str = "aot_eager", checkpointing: bool = False,
+                   options: dict | None = None) -> dict:
     """Each step: the unpatched model eager on the whole batch, and the patched model compiled at cp 2; their losses and
     gradients (the gradient of the patched one averaged over the ranks) compared, then both stepped by SGD so the next
-    step runs other weights. checkpointing: the patched model's layers recomputed in backward (non-reentrant). Returns the worst errors and Dynamo's counts over the run."""
+    step runs other weights. checkpointing: the patched model's layers recomputed in backward (non-reentrant). options:
+    more of hfcp.patch's. Returns the worst errors and Dynamo's counts over the run."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -55,7 +57,7 @@ def compiled_steps(kind: str, how: str, backend: str = "aot_eager", checkpointin
     ref, model, batches = _models(kind)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    hfcp.patch(model, timeout=60)
+    hfcp.patch(model, timeout=60, **(options or {}))
     run = _compile(model, how, backend)
     loss_err = grad_err = 0.0
     frames = []
