@@ -18,6 +18,12 @@ checkpointing on, cp 2 on 2 processes. Arms:
 
 Each measurement prints the worst rank's peak RSS growth over a step and the loss (the sum over the ranks for
 alst); the driver fits peak = a + b x S per arm (b: bytes per token per rank) and gives the longest S under --cap.
+
+    torchrun --standalone --nproc-per-node 2 scripts/bench_reach.py --arm hfcp_tiled --seq-len 8192 --phases
+
+--phases: where in the step rank 0's memory peaks: its RSS above the step's start read after every aten operator,
+the highest per part of the step (the forward of each decoder layer's blocks, the loss after the last layer, the
+backward through each layer's recompute), one line each.
 """
 from __future__ import annotations
 
@@ -97,6 +103,36 @@ def alst_step(model, ids, seq_len: int):
     return step
 
 
+class Phases:
+    """The highest RSS above `base` after any aten operator, per part of the step (see --phases)."""
+
+    def __init__(self, model, base: int):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.base, self.where, self.phase, self.peaks = base, "embedding", "forward", {}
+        layers = model.get_base_model().model.layers
+        for i, layer in enumerate(layers):
+            for name, block in layer.named_children():
+                block.register_forward_pre_hook(lambda *_, i=i, name=name: setattr(self, "where", f"layer {i} {name}"))
+        model.get_base_model().model.norm.register_forward_pre_hook(
+            lambda *_: setattr(self, "where", "final norm and loss"))
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                key = (outer.phase, outer.where)
+                outer.peaks[key] = max(outer.peaks.get(key, 0), PeakRSS._rss() - outer.base)
+                return out
+
+        self.mode = Mode()
+
+    def report(self) -> None:
+        top = max(self.peaks.values())
+        for (phase, where), peak in self.peaks.items():
+            print(f"{phase:8s} {where:32s} {peak / 2**20:7.1f} MB{'  <- peak' if peak == top else ''}", flush=True)
+
+
 def measure(args) -> None:
     import torch.distributed as dist
 
@@ -112,6 +148,18 @@ def measure(args) -> None:
     ids = torch.randint(0, REACH_SHAPE["vocab_size"], (1, args.seq_len), generator=torch.Generator().manual_seed(1))
     step = alst_step(model, ids, args.seq_len) if args.arm == "alst" else hfcp_step(model, ids, args.arm)
     loss = step()  # warm-up
+    if args.phases:
+        model.zero_grad(set_to_none=True)
+        phases = Phases(model, PeakRSS._rss())
+        with phases.mode:
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+            phases.phase = "backward"
+            out.loss.backward()
+        if dist.get_rank() == 0:
+            phases.report()
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     peaks = []
     for _ in range(args.repeats):
         model.zero_grad(set_to_none=True)
@@ -162,7 +210,11 @@ def main():
     ap.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192, 16384])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--cap", type=float, default=1024, help="MB per rank for the longest-sequence column")
+    ap.add_argument("--phases", action="store_true", help="with --arm hfcp*: rank 0's peak per part of the step")
     args = ap.parse_args()
+    if args.phases and not (args.arm or "").startswith("hfcp"):
+        raise SystemExit(f"bench_reach.py: --phases needs --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm "
+                         f"{args.arm})")
     measure(args) if args.arm else drive(args)
 
 
