@@ -202,7 +202,7 @@ def drive(args) -> None:
         print(f"| {arm} | {cells} | {b * 2**20:.0f} | {(args.cap - a) / b:.0f} |")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arm", choices=ARMS, help="one measurement (under torchrun, 2 processes)")
     ap.add_argument("--seq-len", type=int)
@@ -211,7 +211,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--cap", type=float, default=1024, help="MB per rank for the longest-sequence column")
     ap.add_argument("--phases", action="store_true", help="with --arm hfcp*: rank 0's peak per part of the step")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.phases and not (args.arm or "").startswith("hfcp"):
         raise SystemExit(f"bench_reach.py: --phases needs --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm "
                          f"{args.arm})")

@@ -31,6 +31,8 @@ RUNS = {
     "bench_generate": lambda tmp: [sys.executable, "scripts/bench_generate.py", "--lengths", "200", "--cps", "1",
                                    "--new-tokens", "3", "--width", "64", "--layers", "1", "--json",
                                    str(tmp / "rows.json")],
+    "reach_phases": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                 "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--phases"],
     "bench_dpo": lambda tmp: [sys.executable, "scripts/bench_dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
                               "512", "--side-by-side", "--json", str(tmp / "bench_dpo.json")],
 }
@@ -142,3 +144,20 @@ def test_bench_dpo_measures_three_runs_of_the_same_loss(runs):
     assert all(x["peak_mem_mb"] > 0 for x in rows) and abs(rows[0]["loss"] - 0.693147) > 1e-4, rows
     assert max(x["loss"] for x in rows) - min(x["loss"] for x in rows) <= 2e-5 * rows[0]["loss"], rows
     assert "| 128 | cp 2 (HfcpDPOTrainer) |" in r.stdout, r.stdout
+
+
+def test_bench_reach_phases_names_each_part_of_the_step(runs):
+    """--phases: rank 0's peak per part of the step, one line each, the highest marked."""
+    r, _ = runs["reach_phases"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.rstrip().endswith(("MB", "<- peak"))]
+    parts = {tuple(line.split()[:3]) for line in lines}
+    assert ("forward", "final", "norm") in parts and ("backward", "layer", "0") in parts, r.stdout
+    assert sum("<- peak" in line for line in lines) == 1, r.stdout
+
+
+def test_bench_reach_phases_refused_for_alst(monkeypatch):
+    from launches import script_error
+
+    assert "--phases needs --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm alst)" in script_error(
+        "bench_reach", ["--arm", "alst", "--seq-len", "512", "--phases"], monkeypatch)
