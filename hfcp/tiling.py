@@ -33,6 +33,7 @@ MLP_NAMES = ("mlp", "feed_forward", "ffn")  # a decoder layer's per-token block,
 EXPERTS_NAME = "experts"  # a mixture-of-experts block's experts, called with (hidden_states, top_k_index, top_k_weights)
 _SEQUENCE_OPS = re.compile(r"dim\s*=\s*(0|1|-2)|\.(sum|mean|cumsum|cumprod|roll|topk|sort|softmax|max|min)\(|conv|"
                            r"router|expert|gather|scatter|index|shape|size\(|view\(|reshape|transpose|permute|cat\(")
+_RANDOM = re.compile(r"dropout|rand|bernoulli|multinomial|noise|jitter")  # tiles would draw other random numbers
 
 
 def check_tiled_mlp(value) -> None:
@@ -96,6 +97,9 @@ def check_experts(block: nn.Module) -> str | None:
     do: the block run on 4 tokens in eval mode, the arguments its experts were called with kept, and the experts'
     output on those whole against in two halves (each half's rows with their own indices and weights)."""
     experts = getattr(block, EXPERTS_NAME)
+    random = _RANDOM.search(_forward_body(experts) or "")
+    if random:  # (the probe runs in eval mode: a training-only draw would pass it)
+        return f"its {type(experts).__name__}'s forward uses {random.group(0)!r}: tiles would draw other random numbers"
     params = list(inspect.signature(experts.forward).parameters)
     if len(params) != 3:
         return f"its {type(experts).__name__} takes ({', '.join(params)}), not (hidden_states, top_k_index, " \
@@ -135,7 +139,7 @@ def check_per_token(mlp: nn.Module) -> str | None:
     body = _forward_body(mlp)
     if body is None:
         return "its forward's source cannot be read"
-    op = _SEQUENCE_OPS.search(body)
+    op = _SEQUENCE_OPS.search(body) or _RANDOM.search(body)
     if op:
         return f"its forward uses {op.group(0)!r}"
     return _probe(mlp)
@@ -190,7 +194,9 @@ def _compare(whole, halves, differs: str) -> str | None:
 
 class TiledCall(torch.autograd.Function):
     """forward(*args) over tiles of `tile` tokens (dim -2 of every argument): in forward without autograd's record,
-    in backward each tile recomputed and differentiated alone, so one tile's intermediates exist at a time.
+    in backward each tile recomputed (under the forward's autocast) and differentiated alone, so one tile's
+    intermediates exist at a time. Nothing random runs in a tiled module (check_per_token, check_experts refuse
+    dropout and noise), so the recompute needs no random state.
 
     The module's trainable parameters are inputs too: their gradients, summed over the tiles, are returned as this
     function's, so each parameter's gradient arrives once per backward, as without tiles (DDP marks it ready once,
@@ -201,6 +207,9 @@ class TiledCall(torch.autograd.Function):
     def forward(ctx, forward, tile: int, n_args: int, *inputs):
         args, ctx.n_params = inputs[:n_args], len(inputs) - n_args
         ctx.forward, ctx.tile = forward, tile
+        device = args[0].device.type  # backward recomputes under the forward's autocast, as torch's checkpoint does
+        ctx.autocast = (device, dict(enabled=torch.is_autocast_enabled(device), dtype=torch.get_autocast_dtype(device),
+                                     cache_enabled=torch.is_autocast_cache_enabled()))
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return torch.cat([forward(*part) for part in zip(*(a.split(tile, dim=-2) for a in args))], dim=-2)
@@ -214,7 +223,7 @@ class TiledCall(torch.autograd.Function):
         param_grads = [None] * len(params)
         for part, g in zip(zip(*(a.split(tile, dim=-2) for a in args)), grad.split(tile, dim=-2)):
             xs = [x.detach().requires_grad_(need) for x, need in zip(part, needs)]
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(ctx.autocast[0], **ctx.autocast[1]):
                 out = ctx.forward(*xs)
             wrt = [x for x, need in zip(xs, needs) if need] + list(params)
             got = iter(torch.autograd.grad(out, wrt, g, allow_unused=True))

@@ -58,3 +58,44 @@ def test_offload_checkpoints_exact_at_cp2(pool2, kind, tile, lora, checkpointing
 def test_reach_options_refused_by_name(pool2, kind, tile, offload, message):
     for msg in pool2.run(W.refused, kind, tile, offload):
         assert msg and message in msg, msg
+
+
+def test_tiles_are_recomputed_under_the_forwards_autocast():
+    """A tile's recompute in backward runs under the autocast its forward ran under (bf16 matmuls both times), as
+    torch's checkpoint does: without it, the gradient would be taken through fp32 arithmetic the forward never did."""
+    import torch
+    import transformers
+
+    from hfcp.tiling import tiled_forward
+
+    mlp = transformers.models.llama.modeling_llama.LlamaMLP(transformers.LlamaConfig(hidden_size=32,
+                                                                                     intermediate_size=64))
+    seen = []
+
+    def forward(x):
+        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return mlp.forward(x)
+
+    x = torch.randn(1, 12, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = tiled_forward(mlp, forward, 4)(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad is not None
+    assert seen == [(False, True, torch.bfloat16)] * 3 + [(True, True, torch.bfloat16)] * 3, seen
+
+
+def test_an_mlp_that_draws_random_numbers_is_refused():
+    """Dropout in an MLP's forward (functional, not a child module): tiles would draw other numbers than the whole."""
+    from torch import nn
+
+    from hfcp.tiling import check_per_token
+
+    class DropoutMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.down(nn.functional.dropout(self.up(x), p=0.1, training=self.training))
+
+    assert check_per_token(DropoutMLP()) == "its forward uses 'dropout'"
