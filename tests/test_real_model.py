@@ -20,9 +20,12 @@ def smollm2(tmp_path_factory):
     return str(smollm2_checkpoint.convert(str(tmp_path_factory.mktemp("smollm2"))))
 
 
-@pytest.mark.parametrize("strategy", ["ring"])  # the strategies agree on every tiny family; one on the real model
-def test_smollm2_lora_loss_and_grads_exact(pool2, smollm2, strategy):
-    results = pool2.run(W.smollm2_equivalence, smollm2, strategy, 300, timeout=600)
+@pytest.mark.parametrize("strategy, options", [
+    ("ring", None),  # the strategies agree on every tiny family; one on the real model
+    ("ring", {"tiled_mlp": 64, "offload_checkpoints": True}),  # issue 44: LoRA on the MLP too, checkpointed layers
+])
+def test_smollm2_lora_loss_and_grads_exact(pool2, smollm2, strategy, options):
+    results = pool2.run(W.smollm2_equivalence, smollm2, strategy, 300, options, timeout=600)
     r = results[0]
     assert r["n"] > 0 and r["ref_loss"] < 6.0, r  # a pretrained model, not random weights
     assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * r["ref_loss"], r
