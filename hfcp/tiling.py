@@ -25,11 +25,13 @@ import textwrap
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .families.introspect import decoder_layers, forward_source
 from .families.registry import UnsupportedModelError
 
 MLP_NAMES = ("mlp", "feed_forward", "ffn")  # a decoder layer's per-token block, by the names transformers uses
+PROBE_TOKENS, PROBE_SPLIT = 64, [7, 57]  # the probes' tokens, and the uneven parts compared with them whole
 EXPERTS_NAME = "experts"  # a mixture-of-experts block's experts, called with (hidden_states, top_k_index, top_k_weights)
 _SEQUENCE_OPS = re.compile(r"dim\s*=\s*(0|1|-2)|\.(sum|mean|cumsum|cumprod|roll|topk|sort|softmax|max|min)\(|conv|"
                            r"router|expert|gather|scatter|index|shape|size\(|view\(|reshape|transpose|permute|cat\(")
@@ -94,11 +96,12 @@ def _shared_mlps(block: nn.Module) -> list[nn.Module]:
 
 def check_experts(block: nn.Module) -> str | None:
     """Why the experts of the mixture-of-experts `block` may not compute each token (row) alone, or None when they
-    do: the block run on 4 tokens in eval mode, the arguments its experts were called with kept, and the experts'
-    output on those whole against in two halves (each half's rows with their own indices and weights)."""
+    do: the block run on PROBE_TOKENS tokens in eval mode, the arguments its experts were called with kept, and the
+    experts' output on those whole against in two uneven parts (each part's rows with their own indices and
+    weights), in eval and in training mode (a capacity that binds with more rows, or only in training, shows)."""
     experts = getattr(block, EXPERTS_NAME)
     random = _RANDOM.search(_forward_body(experts) or "")
-    if random:  # (the probe runs in eval mode: a training-only draw would pass it)
+    if random:
         return f"its {type(experts).__name__}'s forward uses {random.group(0)!r}: tiles would draw other random numbers"
     params = list(inspect.signature(experts.forward).parameters)
     if len(params) != 3:
@@ -109,25 +112,30 @@ def check_experts(block: nn.Module) -> str | None:
         return None  # (not materialised here: the signature check stands, as _probe)
     seen = []
     hook = experts.register_forward_pre_hook(lambda _, args: seen.append(args))
-    width = next(p for p in weights if p.dim() >= 2).shape[-1]
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(1, 4, width, generator=g).to(weights[0].device, weights[0].dtype)
+    x = _probe_input(next(p for p in weights if p.dim() >= 2).shape[-1], weights[0])[None]
     training = block.training
-    block.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=_devices(weights[0])):
+            block.eval()
             block(x)
+            hook.remove()
             if len(seen) != 1 or len(seen[0]) != 3 or not all(isinstance(a, torch.Tensor) and a.dim() == 2
-                                                                and a.shape[0] == 4 for a in seen[0]):
+                                                                and a.shape[0] == PROBE_TOKENS for a in seen[0]):
                 return f"its {type(experts).__name__} was not called once with three (tokens, ...) tensors"
-            whole = experts(*seen[0])
-            halves = torch.cat([experts(*(a[:2] for a in seen[0])), experts(*(a[2:] for a in seen[0]))])
+            for mode in (False, True):
+                experts.train(mode)
+                whole = experts(*seen[0])
+                parts = torch.cat([experts(*part) for part in zip(*(a.split(PROBE_SPLIT) for a in seen[0]))])
+                why = _compare(whole, parts, f"its {type(experts).__name__}'s output for some tokens changes with "
+                                             "the others" + (" in training" if mode else ""))
+                if why:
+                    return why
     except Exception as e:  # noqa: BLE001 - a block of another form: not one hfcp can show is per-token
         return f"its probe raised {type(e).__name__}: {e}"
     finally:
         hook.remove()
         block.train(training)
-    return _compare(whole, halves, f"its {type(experts).__name__}'s output for two tokens changes with the other two")
+    return None
 
 
 def check_per_token(mlp: nn.Module) -> str | None:
@@ -165,23 +173,36 @@ def _activation(module: nn.Module) -> bool:
 
 
 def _probe(mlp: nn.Module) -> str | None:
-    """The output of 4 tokens, whole and in two halves (skipped where the weights are not materialised here: meta,
-    sharded by FSDP2 or partitioned by ZeRO-3; the other checks stand)."""
+    """The output of PROBE_TOKENS tokens, whole and in two uneven parts, in eval and in training mode (skipped where
+    the weights are not materialised here: meta, sharded by FSDP2 or partitioned by ZeRO-3; the other checks
+    stand)."""
     weights = list(mlp.parameters())
     if not weights or any(p.is_meta or p.numel() == 0 or hasattr(p, "to_local") for p in weights):
         return None
-    first = next(c for c in mlp.modules() if isinstance(c, nn.Linear))
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(1, 4, first.in_features, generator=g).to(weights[0].device, weights[0].dtype)
+    x = _probe_input(next(c for c in mlp.modules() if isinstance(c, nn.Linear)).in_features, weights[0])[None]
     training = mlp.training
-    mlp.eval()  # (no dropout: the same arithmetic in each call)
     try:
-        with torch.no_grad():
-            whole = mlp(x)
-            halves = torch.cat([mlp(x[:, :2]), mlp(x[:, 2:])], dim=1)
+        with torch.no_grad(), torch.random.fork_rng(devices=_devices(weights[0])):
+            for mode in (False, True):
+                mlp.train(mode)
+                whole = mlp(x)
+                parts = torch.cat([mlp(part) for part in x.split(PROBE_SPLIT, dim=1)], dim=1)
+                why = _compare(whole, parts, "its output for some tokens changes with the others"
+                               + (" in training" if mode else ""))
+                if why:
+                    return why
     finally:
         mlp.train(training)
-    return _compare(whole, halves, "its output for two tokens changes with the other two")
+    return None
+
+
+def _probe_input(width: int, like: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randn(PROBE_TOKENS, width, generator=g).to(like.device, like.dtype)
+
+
+def _devices(like: torch.Tensor) -> list:
+    return [like.device] if like.device.type == "cuda" else []
 
 
 def _compare(whole, halves, differs: str) -> str | None:
@@ -194,48 +215,81 @@ def _compare(whole, halves, differs: str) -> str | None:
 
 class TiledCall(torch.autograd.Function):
     """forward(*args) over tiles of `tile` tokens (dim -2 of every argument): in forward without autograd's record,
-    in backward each tile recomputed (under the forward's autocast) and differentiated alone, so one tile's
-    intermediates exist at a time. Nothing random runs in a tiled module (check_per_token, check_experts refuse
-    dropout and noise), so the recompute needs no random state.
+    in backward each tile recomputed and differentiated alone, so one tile's intermediates exist at a time. Each
+    tile's recompute runs under the forward's autocast and from the random state its forward started from (as
+    torch's checkpoint does): a LoRA layer's dropout draws the same masks twice.
 
     The module's trainable parameters are inputs too: their gradients, summed over the tiles, are returned as this
     function's, so each parameter's gradient arrives once per backward, as without tiles (DDP marks it ready once,
     DeepSpeed ZeRO-3 reduces it once, FSDP2 reduce-scatters it once). ZeRO-3 gathers the weights once for the
-    call and once for its backward, by its hooks on the tiled module (a ZeRO-3 leaf: tile_mlps)."""
+    call and once for its backward, by its hooks on the tiled module (a ZeRO-3 leaf: tile_mlps). A tile whose
+    graph reaches a trainable tensor that is not one of these (a parent's weight, a captured tensor) is refused in
+    backward: its gradient would be lost."""
 
     @staticmethod
     def forward(ctx, forward, tile: int, n_args: int, *inputs):
-        args, ctx.n_params = inputs[:n_args], len(inputs) - n_args
-        ctx.forward, ctx.tile = forward, tile
-        device = args[0].device.type  # backward recomputes under the forward's autocast, as torch's checkpoint does
-        ctx.autocast = (device, dict(enabled=torch.is_autocast_enabled(device), dtype=torch.get_autocast_dtype(device),
-                                     cache_enabled=torch.is_autocast_cache_enabled()))
-        ctx.save_for_backward(*inputs)
+        args, ctx.params = inputs[:n_args], inputs[n_args:]  # (the live parameters: what the recompute reads)
+        ctx.forward, ctx.tile, ctx.name = forward, tile, getattr(forward, "__qualname__", "the tiled module")
+        device = args[0].device
+        ctx.autocast = (device.type, dict(enabled=torch.is_autocast_enabled(device.type),
+                                          dtype=torch.get_autocast_dtype(device.type),
+                                          cache_enabled=torch.is_autocast_cache_enabled()))
+        ctx.devices = [device] if device.type == "cuda" else []
+        ctx.rng = []
+        ctx.save_for_backward(*args)
+        outs = []
         with torch.no_grad():
-            return torch.cat([forward(*part) for part in zip(*(a.split(tile, dim=-2) for a in args))], dim=-2)
+            for part in zip(*(a.split(tile, dim=-2) for a in args)):
+                ctx.rng.append((torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in ctx.devices]))
+                outs.append(forward(*part))
+        return torch.cat(outs, dim=-2)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
-        saved, tile = ctx.saved_tensors, ctx.tile
-        args, params = saved[: len(saved) - ctx.n_params], saved[len(saved) - ctx.n_params :]
+        args, tile, params = ctx.saved_tensors, ctx.tile, ctx.params
         needs = ctx.needs_input_grad[3 : 3 + len(args)]
         arg_grads = [[] for _ in args]
         param_grads = [None] * len(params)
-        for part, g in zip(zip(*(a.split(tile, dim=-2) for a in args)), grad.split(tile, dim=-2)):
+        tiles = zip(zip(*(a.split(tile, dim=-2) for a in args)), grad.split(tile, dim=-2), ctx.rng)
+        for n, (part, g, (cpu_rng, device_rng)) in enumerate(tiles):
             xs = [x.detach().requires_grad_(need) for x, need in zip(part, needs)]
-            with torch.enable_grad(), torch.autocast(ctx.autocast[0], **ctx.autocast[1]):
-                out = ctx.forward(*xs)
+            with torch.random.fork_rng(devices=ctx.devices):
+                torch.set_rng_state(cpu_rng)
+                for d, state in zip(ctx.devices, device_rng):
+                    torch.cuda.set_rng_state(state, d)
+                with torch.enable_grad(), torch.autocast(ctx.autocast[0], **ctx.autocast[1]):
+                    out = ctx.forward(*xs)
             wrt = [x for x, need in zip(xs, needs) if need] + list(params)
+            if n == 0:
+                _check_leaves(out, wrt, ctx.name)
             got = iter(torch.autograd.grad(out, wrt, g, allow_unused=True))
             for into, x, need in zip(arg_grads, xs, needs):
                 into.append(next(got) if need else None)
             for i, pg in enumerate(got):
                 if pg is not None:
                     param_grads[i] = pg if param_grads[i] is None else param_grads[i] + pg
+        ctx.rng = None
         cat = [torch.cat([g if g is not None else torch.zeros_like(x) for g, x in zip(parts, part_inputs)], dim=-2)
                if need else None
                for parts, need, part_inputs in zip(arg_grads, needs, (a.split(tile, dim=-2) for a in args))]
         return (None, None, None, *cat, *param_grads)
+
+
+def _check_leaves(out: torch.Tensor, wrt: list, name: str) -> None:
+    """Raises RuntimeError when the graph of `out` reaches a tensor that takes a gradient and is not in `wrt`."""
+    known, seen, stack = {id(t) for t in wrt}, set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # (an AccumulateGrad node: a leaf that takes a gradient)
+        if var is not None and id(var) not in known:
+            raise RuntimeError(f"tiled_mlp: {name} reads a tensor that takes a gradient but is not one of its "
+                               f"parameters or arguments (shape {tuple(var.shape)}); its gradient would be lost "
+                               "in tiles: pass tiled_mlp=False")
+        stack.extend(f for f, _ in fn.next_functions)
 
 
 def tiled_forward(module: nn.Module, forward, tile: int):

@@ -103,11 +103,12 @@ def refused(kind: str, tile, offload=False) -> str | None:
     `kind` (its layers not checkpointed)."""
     from hfcp.testing.tiny import tiny_model as any_tiny_model  # (every registered family, MoE included)
 
-    model = any_tiny_model({"zero3": "llama", "mixtral_capacity": "mixtral"}.get(kind, kind))
-    if kind == "mixtral_capacity":  # experts whose rows depend on how many there are (as a capacity limit would)
-        experts = model.model.layers[0].mlp.experts
+    model = any_tiny_model({"zero3": "llama", "mixtral_capacity": "mixtral", "mixtral_bound": "mixtral"}.get(kind, kind))
+    if kind in ("mixtral_capacity", "mixtral_bound"):  # experts whose rows depend on how many there are (as a
+        experts = model.model.layers[0].mlp.experts  # capacity limit would; "bound": only past 8 rows)
+        scale = (lambda n: n) if kind == "mixtral_capacity" else (lambda n: 1.0 if n <= 8 else 0.5)
         capacity = type("CapacityExperts", (type(experts),), {
-            "forward": lambda self, h, i, w: super(capacity, self).forward(h, i, w) * h.shape[0]})
+            "forward": lambda self, h, i, w: super(capacity, self).forward(h, i, w) * scale(h.shape[0])})
         for layer in model.model.layers:
             layer.mlp.experts.__class__ = capacity
     if kind == "zero3":  # weights gathered per sub-layer: as ZeRO-3 registers an MLP that is not a leaf (patched after it)
