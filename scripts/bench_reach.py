@@ -11,6 +11,9 @@ checkpointing on, cp 2 on 2 processes. Arms:
 - hfcp: hfcp.patch (ring), its chunked loss;
 - hfcp_tiled: and tiled_mlp=True (tiles of hidden_size tokens);
 - hfcp_tiled_offload: and offload_checkpoints=True (on CPU the host is the device: it saves nothing here);
+--model moe: a Qwen3-MoE of the same widths instead (8 experts of intermediate 448, 2 a token, in every layer; LoRA
+on the attention), for the hfcp arms (DeepSpeed's TiledMLP is for dense MLPs).
+
 - alst: DeepSpeed's UlyssesSPAttentionHF (registered with transformers over sdpa), TiledMLP on every MLP (tiles of
   hidden_size tokens, as its docs do), the loss through TiledFusedLogitsLoss, transformers' checkpointing with
   offload on CUDA (save_on_cpu; on CPU transformers' offload raises for want of pinned memory, and would save
@@ -133,13 +136,27 @@ class Phases:
             print(f"{phase:8s} {where:32s} {peak / 2**20:7.1f} MB{'  <- peak' if peak == top else ''}", flush=True)
 
 
+def lora_moe(args):
+    """--model moe: a Qwen3-MoE with REACH_SHAPE's widths, its MLPs mixtures of 8 experts, LoRA on the attention."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**{k: v for k, v in REACH_SHAPE.items() if k != "intermediate_size"},
+                                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=448,
+                                         decoder_sparse_step=1, max_position_embeddings=args.seq_len,
+                                         head_dim=REACH_SHAPE["hidden_size"] // REACH_SHAPE["num_attention_heads"])
+    model = transformers.Qwen3MoeForCausalLM(config)
+    return get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
 def measure(args) -> None:
     import torch.distributed as dist
 
     fix_mmap_threshold()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    model = lora_llama(args.seq_len, torch.device("cpu"), REACH_SHAPE)
+    model = lora_llama(args.seq_len, torch.device("cpu"), REACH_SHAPE) if args.model == "llama" else lora_moe(args)
     model.get_base_model().config._attn_implementation = "sdpa"
     # alst: transformers' checkpoint offload (save_on_cpu with pinned memory), on CUDA only: on CPU transformers 5.24
     # asks for pinned memory anyway and the forward raises (and the host is the device there: it would save nothing)
@@ -180,7 +197,7 @@ def drive(args) -> None:
     for arm in args.arms:
         for n in args.lengths:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-                   "--arm", arm, "--seq-len", str(n), "--repeats", str(args.repeats)]
+                   "--arm", arm, "--seq-len", str(n), "--repeats", str(args.repeats), "--model", args.model]
             out = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
             if line is None:
@@ -210,8 +227,12 @@ def main(argv=None):
     ap.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192, 16384])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--cap", type=float, default=1024, help="MB per rank for the longest-sequence column")
+    ap.add_argument("--model", choices=["llama", "moe"], default="llama")
     ap.add_argument("--phases", action="store_true", help="with --arm hfcp*: rank 0's peak per part of the step")
     args = ap.parse_args(argv)
+    if args.model == "moe" and ("alst" in ([args.arm] if args.arm else args.arms)):
+        raise SystemExit("bench_reach.py: --model moe runs the hfcp arms only (DeepSpeed's TiledMLP is for dense MLPs): "
+                         "pass --arms hfcp hfcp_tiled")
     if args.phases and not (args.arm or "").startswith("hfcp"):
         raise SystemExit(f"bench_reach.py: --phases needs --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm "
                          f"{args.arm})")

@@ -161,3 +161,10 @@ def test_bench_reach_phases_refused_for_alst(monkeypatch):
 
     assert "--phases needs --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm alst)" in script_error(
         "bench_reach", ["--arm", "alst", "--seq-len", "512", "--phases"], monkeypatch)
+
+
+def test_bench_reach_moe_refuses_the_alst_arm(monkeypatch):
+    from launches import script_error
+
+    assert "--model moe runs the hfcp arms only (DeepSpeed's TiledMLP is for dense MLPs)" in script_error(
+        "bench_reach", ["--model", "moe"], monkeypatch)
