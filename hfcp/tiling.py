@@ -115,7 +115,7 @@ def check_experts(block: nn.Module) -> str | None:
     x = _probe_input(next(p for p in weights if p.dim() >= 2).shape[-1], weights[0])[None]
     training = block.training
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=_devices(weights[0])):
+        with torch.no_grad(), forked_rng(weights[0].device):
             block.eval()
             block(x)
             hook.remove()
@@ -173,27 +173,21 @@ def _activation(module: nn.Module) -> bool:
 
 
 def _probe(mlp: nn.Module) -> str | None:
-    """The output of PROBE_TOKENS tokens, whole and in two uneven parts, in eval and in training mode (skipped where
-    the weights are not materialised here: meta, sharded by FSDP2 or partitioned by ZeRO-3; the other checks
-    stand)."""
+    """The output of PROBE_TOKENS tokens, whole and in two uneven parts, in eval mode (skipped where the weights are
+    not materialised here: meta, sharded by FSDP2 or partitioned by ZeRO-3; the other checks stand)."""
     weights = list(mlp.parameters())
     if not weights or any(p.is_meta or p.numel() == 0 or hasattr(p, "to_local") for p in weights):
         return None
     x = _probe_input(next(c for c in mlp.modules() if isinstance(c, nn.Linear)).in_features, weights[0])[None]
     training = mlp.training
+    mlp.eval()  # (its children are linear layers and activations: training differs only by LoRA's dropout)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=_devices(weights[0])):
-            for mode in (False, True):
-                mlp.train(mode)
-                whole = mlp(x)
-                parts = torch.cat([mlp(part) for part in x.split(PROBE_SPLIT, dim=1)], dim=1)
-                why = _compare(whole, parts, "its output for some tokens changes with the others"
-                               + (" in training" if mode else ""))
-                if why:
-                    return why
+        with torch.no_grad():
+            whole = mlp(x)
+            parts = torch.cat([mlp(part) for part in x.split(PROBE_SPLIT, dim=1)], dim=1)
     finally:
         mlp.train(training)
-    return None
+    return _compare(whole, parts, "its output for some tokens changes with the others")
 
 
 def _probe_input(width: int, like: torch.Tensor) -> torch.Tensor:
@@ -201,8 +195,11 @@ def _probe_input(width: int, like: torch.Tensor) -> torch.Tensor:
     return torch.randn(PROBE_TOKENS, width, generator=g).to(like.device, like.dtype)
 
 
-def _devices(like: torch.Tensor) -> list:
-    return [like.device] if like.device.type == "cuda" else []
+def forked_rng(device: torch.device):
+    """torch.random.fork_rng over the CPU's random state and `device`'s (an accelerator of any type)."""
+    accelerator = device.type != "cpu"
+    return torch.random.fork_rng(devices=[device] if accelerator else [],
+                                 device_type=device.type if accelerator else "cuda")
 
 
 def _compare(whole, halves, differs: str) -> str | None:
@@ -234,13 +231,14 @@ class TiledCall(torch.autograd.Function):
         ctx.autocast = (device.type, dict(enabled=torch.is_autocast_enabled(device.type),
                                           dtype=torch.get_autocast_dtype(device.type),
                                           cache_enabled=torch.is_autocast_cache_enabled()))
-        ctx.devices = [device] if device.type == "cuda" else []
+        ctx.device = device if device.type != "cpu" else None  # (an accelerator: its random state too)
         ctx.rng = []
         ctx.save_for_backward(*args)
         outs = []
         with torch.no_grad():
             for part in zip(*(a.split(tile, dim=-2) for a in args)):
-                ctx.rng.append((torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in ctx.devices]))
+                ctx.rng.append((torch.get_rng_state(), _device_rng(ctx.device).get_rng_state(ctx.device)
+                                if ctx.device is not None else None))
                 outs.append(forward(*part))
         return torch.cat(outs, dim=-2)
 
@@ -254,10 +252,10 @@ class TiledCall(torch.autograd.Function):
         tiles = zip(zip(*(a.split(tile, dim=-2) for a in args)), grad.split(tile, dim=-2), ctx.rng)
         for n, (part, g, (cpu_rng, device_rng)) in enumerate(tiles):
             xs = [x.detach().requires_grad_(need) for x, need in zip(part, needs)]
-            with torch.random.fork_rng(devices=ctx.devices):
+            with forked_rng(ctx.device or torch.device("cpu")):
                 torch.set_rng_state(cpu_rng)
-                for d, state in zip(ctx.devices, device_rng):
-                    torch.cuda.set_rng_state(state, d)
+                if ctx.device is not None:
+                    _device_rng(ctx.device).set_rng_state(device_rng, ctx.device)
                 with torch.enable_grad(), torch.autocast(ctx.autocast[0], **ctx.autocast[1]):
                     out = ctx.forward(*xs)
             wrt = [x for x, need in zip(xs, needs) if need] + list(params)
@@ -274,6 +272,11 @@ class TiledCall(torch.autograd.Function):
                if need else None
                for parts, need, part_inputs in zip(arg_grads, needs, (a.split(tile, dim=-2) for a in args))]
         return (None, None, None, *cat, *param_grads)
+
+
+def _device_rng(device: torch.device):
+    """The torch module holding `device`'s random state (torch.cuda, torch.xpu, ...)."""
+    return torch.get_device_module(device.type)
 
 
 def _check_leaves(out: torch.Tensor, wrt: list, name: str) -> None:
@@ -294,17 +297,21 @@ def _check_leaves(out: torch.Tensor, wrt: list, name: str) -> None:
 
 def tiled_forward(module: nn.Module, forward, tile: int):
     """`forward` (the module's forward of tensors with one row per token: an MLP's hidden states, or the experts'
-    hidden states, indices and weights) run over tiles of `tile` tokens (dim -2 of every argument) by TiledCall in
-    training forwards longer than one tile; whole otherwise."""
+    hidden states, indices and weights) run over tiles of `tile` tokens (dim -2 of every argument) in training
+    forwards (train mode) longer than one tile, by TiledCall where autograd records; whole otherwise."""
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
         n = args[0].shape[-2] if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2 else 0
-        if kwargs or n <= tile or not torch.is_grad_enabled() or not module.training or \
+        if kwargs or n <= tile or not module.training or \
                 not all(isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-2] == n for a in args):
             return forward(*args, **kwargs)
-        params = [p for p in module.parameters() if p.requires_grad]
         check_gathered_once(module)
+        if not torch.is_grad_enabled():  # (a training forward without autograd's record, such as reentrant
+            # checkpointing's first pass: tile by tile all the same, so that LoRA's dropout draws the masks its
+            # recompute under autograd, tiled, draws again)
+            return torch.cat([forward(*part) for part in zip(*(a.split(tile, dim=-2) for a in args))], dim=-2)
+        params = [p for p in module.parameters() if p.requires_grad]
         return TiledCall.apply(forward, tile, len(args), *args, *params)
 
     run.hfcp_tile = tile

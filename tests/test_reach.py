@@ -102,10 +102,14 @@ def test_an_mlp_that_draws_random_numbers_is_refused():
     assert check_per_token(DropoutMLP()) == "its forward uses 'dropout'"
 
 
-def test_lora_dropout_draws_the_same_masks_in_a_tiles_recompute():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_lora_dropout_draws_the_same_masks_in_a_tiles_recompute(reentrant):
     """LoRA's dropout in a tiled MLP: backward recomputes each tile from the random state its forward started from,
-    so the gradient is that of the function the forward computed (the MLP run tile by tile, as here by hand)."""
+    so the gradient is that of the function the forward computed (the MLP run tile by tile, as here by hand). Under
+    reentrant checkpointing the first pass runs without autograd's record: tile by tile all the same, so that the
+    recompute draws its masks."""
     import torch
+    from torch.utils.checkpoint import checkpoint
     import transformers
     from peft import LoraConfig, get_peft_model
 
@@ -121,12 +125,14 @@ def test_lora_dropout_draws_the_same_masks_in_a_tiles_recompute():
     grads = []
     for tiled in (True, False):
         torch.manual_seed(5)
-        y = tiled_forward(mlp, mlp.forward, 4)(x) if tiled else torch.cat([mlp(p) for p in x.split(4, dim=1)], dim=1)
+        run = tiled_forward(mlp, mlp.forward, 4) if tiled else \
+            (lambda h: torch.cat([mlp(p) for p in h.split(4, dim=1)], dim=1))
+        y = checkpoint(run, x, use_reentrant=True) if reentrant else run(x)
         (y * torch.arange(y.numel()).reshape(y.shape).sin()).sum().backward()
-        grads.append([t.grad.clone() for t in (x, *(p for p in mlp.parameters() if p.requires_grad))])
+        grads.append([y.detach(), *(t.grad.clone() for t in (x, *(p for p in mlp.parameters() if p.requires_grad)))])
         for t in (x, *mlp.parameters()):
             t.grad = None
-    assert len(grads[0]) == 7  # x and six LoRA matrices
+    assert len(grads[0]) == 8 and bool(grads[0][2].any())  # the output (what the loss saw), x, six LoRA matrices
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), float((a - b).abs().max())
 
@@ -154,3 +160,21 @@ def test_a_tile_reading_a_trainable_tensor_outside_the_module_is_refused():
     with pytest.raises(RuntimeError, match=r"reads a tensor that takes a gradient but is not one of its parameters "
                                            r"or arguments \(shape \(8,\)\)"):
         y.sum().backward()
+
+
+def test_an_mlp_with_trained_lora_and_dropout_is_tiled():
+    """LoRA with dropout on an MLP whose adapters are trained (lora_B not zero) passes the checks: the probe runs in
+    eval mode, where dropout draws nothing."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    from hfcp.tiling import check_per_token
+
+    holder = nn.Module()
+    holder.mlp = transformers.models.llama.modeling_llama.LlamaMLP(
+        transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4))
+    mlp = get_peft_model(holder, LoraConfig(r=4, lora_dropout=0.1, init_lora_weights=False,
+                                            target_modules=["gate_proj", "up_proj"])).base_model.model.mlp
+    mlp.train()
+    assert check_per_token(mlp) is None
