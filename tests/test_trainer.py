@@ -98,6 +98,17 @@ def test_deepspeed_zero3_cp2_with_tiled_mlp_equals_one_process(pool2, reference)
         assert_same_run(got, reference[1], skip=ZERO3_FLOS)
 
 
+@pytest.mark.parametrize("options", [None, {"tiled_mlp": 4}])
+def test_deepspeed_zero3_moe_with_router_aux_loss_cp2_equals_one_process(pool1, pool2, options):
+    """A Qwen2-MoE (router aux loss on) under ZeRO-3: hfcp's global aux loss, not the model's own from a rank's
+    router logits (ZeRO-3's forward hook wrote the logits hfcp had hidden back into the output, and the model's
+    aux-loss code then met hfcp's mask); with tiled_mlp, its experts and shared expert in tiles."""
+    pytest.importorskip("deepspeed")
+    ref = pool1.run(W.train_run, 4, None, "ring", False, None, False, None, "qwen2_moe")[0]
+    for got in pool2.run(W.deepspeed_run, 4, None, 1, options, "qwen2_moe", timeout=600):
+        assert_same_run(got, ref, skip=ZERO3_FLOS)
+
+
 def test_deepspeed_zero3_dp2_cp2_with_gradient_accumulation(pool4, reference):
     pytest.importorskip("deepspeed")
     for got in pool4.run(W.deepspeed_run, 2, 2, 2, timeout=600):

@@ -84,15 +84,16 @@ def _history(trainer):
 
 
 def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, overrides=None, configured=False,
-              options=None):
+              options=None, family: str = "llama"):
     """Train 4 steps, evaluate, predict. per_device is the batch of each DP group (1 process: the global batch).
     configured: keep the accelerate state the caller set up (else it is reset first). options: more of hfcp.patch's,
-    given to the trainer."""
+    given to the trainer. family: "llama", or any registered family's tiny model (hfcp.testing.tiny)."""
     from hfcp.integrations import HfcpTrainer
+    from hfcp.testing.tiny import tiny_model as any_tiny_model
 
     if not configured:
         _reset_accelerate()
-    model = tiny_model("llama")
+    model = tiny_model("llama") if family == "llama" else any_tiny_model(family)
     data = IterableRows(24) if iterable else Rows(24)
     with tempfile.TemporaryDirectory() as out:
         args = _args(out, per_device, **(overrides or {}))
@@ -102,9 +103,14 @@ def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, ov
         metrics = trainer.evaluate()
         pred = trainer.predict(Rows(5, seed=2))
     return {"history": _history(trainer), "eval_loss": metrics["eval_loss"], "model_class": type(trainer.model).__name__,
-            "predictions": torch.as_tensor(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids),
+            "predictions": _logits(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids),
             "total_batch": trainer.get_total_train_batch_size(trainer.args),
             "wrapped_class": type(trainer.model_wrapped).__name__}
+
+
+def _logits(predictions) -> torch.Tensor:
+    """The prediction's logits (an MoE's predictions are the logits, then its router logits)."""
+    return torch.as_tensor(predictions[0] if isinstance(predictions, tuple) else predictions)
 
 
 def lora_checkpointing_run(per_device: int, cp_size=None, overrides=None, enable_on_model=False):
@@ -155,7 +161,7 @@ ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold":
          "gradient_clipping": "auto", "bf16": {"enabled": False}, "fp16": {"enabled": False}}
 
 
-def deepspeed_run(per_device: int, cp_size=None, accum: int = 1, options=None):
+def deepspeed_run(per_device: int, cp_size=None, accum: int = 1, options=None, family: str = "llama"):
     """DeepSpeed ZeRO-3 (parameters, gradients and optimizer states partitioned over all processes) on CPU. options:
     more of hfcp.patch's, given to the trainer."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -168,7 +174,7 @@ def deepspeed_run(per_device: int, cp_size=None, accum: int = 1, options=None):
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     try:
         result = train_run(per_device, cp_size, "ring", False, {"deepspeed": ZERO3, "gradient_accumulation_steps": accum},
-                           options=options)
+                           options=options, family=family)
     finally:  # DeepSpeed's process-wide settings would follow later tests in this pool process
         import deepspeed.utils.groups
 

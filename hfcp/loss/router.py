@@ -94,5 +94,8 @@ class RouterStatsHook(ModelHook):
         logits = getattr(output, "router_logits", None)
         if st.fwd.router_logits_wanted and logits is not None:
             st.fwd.router_logits = tuple(logits)
-            output.router_logits = None
+            if isinstance(output, dict):  # (a ModelOutput: its entry too. Setting the attribute to None leaves the
+                output["router_logits"] = None  # entry, and DeepSpeed ZeRO-3's forward hook writes every entry back
+            else:  # to its attribute: the causal LM then took the rank's logits for its own aux loss)
+                output.router_logits = None
         return output
