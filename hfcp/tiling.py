@@ -69,7 +69,7 @@ def mlps_to_tile(model) -> list[nn.Module]:
                                         f"{list(MLP_NAMES)}; pass tiled_mlp=False")
         name = type(mlp).__name__
         if name not in seen:
-            seen[name] = _verdict(mlp)
+            seen[name] = _verdict(mlp, config.hidden_size)
         moe, why = seen[name]
         if why:
             raise UnsupportedModelError(f"tiled_mlp: decoder layer {i}'s {name} is not a block hfcp can show computes "
@@ -79,12 +79,12 @@ def mlps_to_tile(model) -> list[nn.Module]:
     return out
 
 
-def _verdict(mlp: nn.Module) -> tuple[bool, str | None]:
-    """(whether `mlp` is tiled as a mixture of experts, why it cannot be tiled or None)."""
+def _verdict(mlp: nn.Module, width: int) -> tuple[bool, str | None]:
+    """(whether `mlp` is tiled as a mixture of experts, why it cannot be tiled or None); width: its input's."""
     why = check_per_token(mlp)
     if why is None or not isinstance(getattr(mlp, EXPERTS_NAME, None), nn.Module):
         return False, why
-    return True, check_experts(mlp)
+    return True, check_experts(mlp, width)
 
 
 def _shared_mlps(block: nn.Module) -> list[nn.Module]:
@@ -94,7 +94,7 @@ def _shared_mlps(block: nn.Module) -> list[nn.Module]:
             and check_per_token(c) is None]
 
 
-def check_experts(block: nn.Module) -> str | None:
+def check_experts(block: nn.Module, width: int) -> str | None:
     """Why the experts of the mixture-of-experts `block` may not compute each token (row) alone, or None when they
     do: the block run on PROBE_TOKENS tokens in eval mode, the arguments its experts were called with kept, and the
     experts' output on those whole against in two uneven parts (each part's rows with their own indices and
@@ -112,7 +112,7 @@ def check_experts(block: nn.Module) -> str | None:
         return None  # (not materialised here: the signature check stands, as _probe)
     seen = []
     hook = experts.register_forward_pre_hook(lambda _, args: seen.append(args))
-    x = _probe_input(next(p for p in weights if p.dim() >= 2).shape[-1], weights[0])[None]
+    x = _probe_input(width, weights[0])[None]  # (width: the hidden size, the block's input)
     training = block.training
     try:
         with torch.no_grad(), forked_rng(weights[0].device):
