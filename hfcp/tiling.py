@@ -12,8 +12,8 @@ A mixture-of-experts block is not per-token as a whole (its router may add noise
 every token's logits), but its experts are: transformers' experts modules take (hidden_states, top_k_index,
 top_k_weights), one row per token, and compute each row from its own. hfcp tiles the experts' call (and a shared
 expert that passes the MLP checks) and leaves the router whole, so the router logits, the aux loss and any noise
-are the untiled model's. The experts are shown per-token by a probe: the block run on 4 tokens, the arguments its
-experts got, and the experts on those whole and in two halves.
+are the untiled model's. The experts are shown per-token by a probe: the block run on PROBE_TOKENS tokens, the
+arguments its experts got, and the experts on those whole and in uneven parts, in eval and in training mode.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def check_experts(block: nn.Module, width: int) -> str | None:
             for mode in (False, True):
                 experts.train(mode)
                 whole = experts(*seen[0])
-                parts = torch.cat([experts(*part) for part in zip(*(a.split(PROBE_SPLIT) for a in seen[0]))])
+                parts = torch.cat([experts(*part) for part in _tiles(seen[0], PROBE_SPLIT)])
                 why = _compare(whole, parts, f"its {type(experts).__name__}'s output for some tokens changes with "
                                              "the others" + (" in training" if mode else ""))
                 if why:
@@ -236,7 +236,7 @@ class TiledCall(torch.autograd.Function):
         ctx.save_for_backward(*args)
         outs = []
         with torch.no_grad():
-            for part in zip(*(a.split(tile, dim=-2) for a in args)):
+            for part in _tiles(args, tile):
                 ctx.rng.append((torch.get_rng_state(), _device_rng(ctx.device).get_rng_state(ctx.device)
                                 if ctx.device is not None else None))
                 outs.append(forward(*part))
@@ -249,7 +249,7 @@ class TiledCall(torch.autograd.Function):
         needs = ctx.needs_input_grad[3 : 3 + len(args)]
         arg_grads = [[] for _ in args]
         param_grads = [None] * len(params)
-        tiles = zip(zip(*(a.split(tile, dim=-2) for a in args)), grad.split(tile, dim=-2), ctx.rng)
+        tiles = zip(_tiles(args, tile), grad.split(tile, dim=-2), ctx.rng)
         for n, (part, g, (cpu_rng, device_rng)) in enumerate(tiles):
             xs = [x.detach().requires_grad_(need) for x, need in zip(part, needs)]
             with forked_rng(ctx.device or torch.device("cpu")):
@@ -272,6 +272,11 @@ class TiledCall(torch.autograd.Function):
                if need else None
                for parts, need, part_inputs in zip(arg_grads, needs, (a.split(tile, dim=-2) for a in args))]
         return (None, None, None, *cat, *param_grads)
+
+
+def _tiles(args, tile) -> list[tuple]:
+    """The arguments' rows (dim -2) in tiles of `tile` (or of the sizes listed), one tuple of arguments a tile."""
+    return list(zip(*(a.split(tile, dim=-2) for a in args)))
 
 
 def _device_rng(device: torch.device):
@@ -310,7 +315,7 @@ def tiled_forward(module: nn.Module, forward, tile: int):
         if not torch.is_grad_enabled():  # (a training forward without autograd's record, such as reentrant
             # checkpointing's first pass: tile by tile all the same, so that LoRA's dropout draws the masks its
             # recompute under autograd, tiled, draws again)
-            return torch.cat([forward(*part) for part in zip(*(a.split(tile, dim=-2) for a in args))], dim=-2)
+            return torch.cat([forward(*part) for part in _tiles(args, tile)], dim=-2)
         params = [p for p in module.parameters() if p.requires_grad]
         return TiledCall.apply(forward, tile, len(args), *args, *params)
 
