@@ -76,6 +76,7 @@ def measure(args):
         got = [None] * world
         dist.all_gather_object(got, result["peak_mem_mb"])
         result["peak_mem_mb"] = max(got)  # the worst rank
+        dist.barrier()  # (gloo can abort a rank that tears down while its peer still sends, as bench_step.py)
         dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(result), flush=True)
