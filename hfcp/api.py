@@ -19,7 +19,8 @@ from .families.resolve import attention_group, patcher_for, plan_patch, router_a
 from .state import CPState, Settings, cp_state, find_pretrained
 from .families.introspect import decoder_layers
 from .offload import offload_checkpoints as offload_to_host
-from .tiling import mlps_to_tile, tile_mlps, tile_tokens
+from .norm_fold import fold_norms
+from .tiling import mlps_to_tile, tile_layers, tile_mlps, tile_tokens
 
 log = logging.getLogger("hfcp")
 
@@ -53,10 +54,11 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
         tiled_mlp: False (default); True or a number of tokens: in training forwards each decoder layer's MLP runs
             over tiles of the rank's tokens (True: hidden_size tokens a tile), each recomputed in backward, so its
             intermediates exist for one tile at a time (hfcp/tiling.py). MLPs hfcp cannot show compute each token
-            alone are refused.
+            alone are refused. The layer's norms are then not kept for backward where the MLP or a linear layer
+            reads their output: recomputed from their input (hfcp/norm_fold.py).
         offload_checkpoints: in training forwards with gradient checkpointing, what the forward keeps for backward
-            outside the checkpointed layers (each layer's input) is held in host memory (pinned, copied on a side
-            stream on CUDA) and brought back in backward (hfcp/offload.py). A training forward whose layers are not
+            outside the checkpointed layers (each layer's input) is held in host memory (pinned, copied without
+            blocking on CUDA) and brought back in backward (hfcp/offload.py). A training forward whose layers are not
             checkpointed is refused.
 
     A model that transformers loaded tensor-parallel (`tp_plan`, DistributedConfig) keeps its TP: each rank's
@@ -100,6 +102,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     ATTACH[plan.kind](state, inner, plan)
     if mlps:
         state.undo.append(tile_mlps(mlps, tile))
+        state.undo.append(fold_norms(tile_layers(plan.owner), mlps, plan.owner.config.get_text_config().hidden_size,
+                                     tile))
     if offload_checkpoints:
         layers = decoder_layers(plan.owner, plan.owner.config.get_text_config().num_hidden_layers) or []
         state.undo.append(offload_to_host(inner, layers))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import math
 import re
 import textwrap
 
@@ -54,13 +55,20 @@ def tile_tokens(value, config) -> int | None:
     return config.get_text_config().hidden_size if value is True else int(value)
 
 
-def mlps_to_tile(model) -> list[nn.Module]:
-    """Each decoder layer's MLP, checked per-token. Raises UnsupportedModelError naming what cannot be tiled."""
+def tile_layers(model) -> list[nn.Module]:
+    """The model's decoder layers. Raises UnsupportedModelError where hfcp finds none."""
     config = model.config.get_text_config()
     layers = decoder_layers(model, config.num_hidden_layers)
     if not layers:
         raise UnsupportedModelError(f"tiled_mlp: hfcp found no list of {config.num_hidden_layers} decoder layers in "
                                     f"{type(model).__name__}")
+    return layers
+
+
+def mlps_to_tile(model) -> list[nn.Module]:
+    """Each decoder layer's MLP, checked per-token. Raises UnsupportedModelError naming what cannot be tiled."""
+    config = model.config.get_text_config()
+    layers = tile_layers(model)
     out, seen = [], {}
     for i, layer in enumerate(layers):
         mlp = next((getattr(layer, n) for n in MLP_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None)
@@ -212,7 +220,9 @@ def _compare(whole, halves, differs: str) -> str | None:
 
 class TiledCall(torch.autograd.Function):
     """forward(*args) over tiles of `tile` tokens (dim -2 of every argument): in forward without autograd's record,
-    in backward each tile recomputed and differentiated alone, so one tile's intermediates exist at a time. Each
+    in backward each tile recomputed and differentiated alone, so one tile's intermediates exist at a time. `tile`
+    may be a pair (forward's, backward's): the backward takes the finer tiles only where the forward, in one tile,
+    drew no random numbers (otherwise the recompute must draw what the forward drew, as it drew it). Each
     tile's recompute runs under the forward's autocast and from the random state its forward started from (as
     torch's checkpoint does): a LoRA layer's dropout draws the same masks twice.
 
@@ -224,8 +234,9 @@ class TiledCall(torch.autograd.Function):
     backward: its gradient would be lost."""
 
     @staticmethod
-    def forward(ctx, forward, tile: int, n_args: int, *inputs):
+    def forward(ctx, forward, tile, n_args: int, *inputs):
         args, ctx.params = inputs[:n_args], inputs[n_args:]  # (the live parameters: what the recompute reads)
+        tile, finer = tile if isinstance(tile, tuple) else (tile, tile)  # (see TiledCall's docstring)
         ctx.forward, ctx.tile, ctx.name = forward, tile, getattr(forward, "__qualname__", "the tiled module")
         device = args[0].device
         ctx.autocast = (device.type, dict(enabled=torch.is_autocast_enabled(device.type),
@@ -234,22 +245,29 @@ class TiledCall(torch.autograd.Function):
         ctx.device = device if device.type != "cpu" else None  # (an accelerator: its random state too)
         ctx.rng = []
         ctx.save_for_backward(*args)
-        outs = []
+        out, start = None, 0
         with torch.no_grad():
             for part in _tiles(args, tile):
                 ctx.rng.append((torch.get_rng_state(), _device_rng(ctx.device).get_rng_state(ctx.device)
                                 if ctx.device is not None else None))
-                outs.append(forward(*part))
-        return torch.cat(outs, dim=-2)
+                y = forward(*part)
+                if out is None:  # (each tile written into the whole output: no list of tiles beside it)
+                    out = y.new_empty((*y.shape[:-2], args[0].shape[-2], y.shape[-1]))
+                out.narrow(-2, start, y.shape[-2]).copy_(y)
+                start += y.shape[-2]
+        if finer < tile and len(ctx.rng) == 1 and _same_rng(ctx.rng[0], ctx.device):  # (no random numbers drawn)
+            ctx.tile, ctx.rng = finer, ctx.rng * math.ceil(args[0].shape[-2] / finer)
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         args, tile, params = ctx.saved_tensors, ctx.tile, ctx.params
         needs = ctx.needs_input_grad[3 : 3 + len(args)]
-        arg_grads = [[] for _ in args]
+        arg_grads = [torch.empty_like(a) if need else None for a, need in zip(args, needs)]  # (tiles written in)
         param_grads = [None] * len(params)
         tiles = zip(_tiles(args, tile), grad.split(tile, dim=-2), ctx.rng)
+        start = 0
         for n, (part, g, (cpu_rng, device_rng)) in enumerate(tiles):
             xs = [x.detach().requires_grad_(need) for x, need in zip(part, needs)]
             with forked_rng(ctx.device or torch.device("cpu")):
@@ -262,16 +280,28 @@ class TiledCall(torch.autograd.Function):
             if n == 0:
                 _check_leaves(out, wrt, ctx.name)
             got = iter(torch.autograd.grad(out, wrt, g, allow_unused=True))
-            for into, x, need in zip(arg_grads, xs, needs):
-                into.append(next(got) if need else None)
+            rows = part[0].shape[-2]
+            for into, need in zip(arg_grads, needs):
+                if not need:
+                    continue
+                gx, rows_of_tile = next(got), into.narrow(-2, start, rows)
+                if gx is None:
+                    rows_of_tile.zero_()
+                else:
+                    rows_of_tile.copy_(gx)
             for i, pg in enumerate(got):
                 if pg is not None:
                     param_grads[i] = pg if param_grads[i] is None else param_grads[i] + pg
+            start += rows
         ctx.rng = None
-        cat = [torch.cat([g if g is not None else torch.zeros_like(x) for g, x in zip(parts, part_inputs)], dim=-2)
-               if need else None
-               for parts, need, part_inputs in zip(arg_grads, needs, (a.split(tile, dim=-2) for a in args))]
-        return (None, None, None, *cat, *param_grads)
+        return (None, None, None, *arg_grads, *param_grads)
+
+
+def _same_rng(saved: tuple, device) -> bool:
+    """Whether the random state (the CPU's, and the accelerator's) is still `saved`: nothing was drawn since."""
+    cpu, accelerator = saved
+    return torch.equal(cpu, torch.get_rng_state()) and (
+        device is None or torch.equal(accelerator, _device_rng(device).get_rng_state(device)))
 
 
 def _tiles(args, tile) -> list[tuple]:
@@ -312,6 +342,10 @@ def tiled_forward(module: nn.Module, forward, tile: int):
                 not all(isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-2] == n for a in args):
             return forward(*args, **kwargs)
         check_gathered_once(module)
+        fold = run.hfcp_fold(module, forward, args) if run.hfcp_fold is not None and torch.is_grad_enabled() else None
+        if fold is not None:  # (args: exactly a norm's output: the norm recomputed in each tile, see norm_fold.py)
+            call, x, params = fold
+            return TiledCall.apply(call, tile, 1, x, *params)
         if not torch.is_grad_enabled():  # (a training forward without autograd's record, such as reentrant
             # checkpointing's first pass: tile by tile all the same, so that LoRA's dropout draws the masks its
             # recompute under autograd, tiled, draws again)
@@ -319,7 +353,7 @@ def tiled_forward(module: nn.Module, forward, tile: int):
         params = [p for p in module.parameters() if p.requires_grad]
         return TiledCall.apply(forward, tile, len(args), *args, *params)
 
-    run.hfcp_tile = tile
+    run.hfcp_tile, run.hfcp_fold = tile, None  # (hfcp_fold: set by norm_fold.fold_norms)
     return run
 
 

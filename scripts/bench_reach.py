@@ -27,6 +27,11 @@ alst); the driver fits peak = a + b x S per arm (b: bytes per token per rank) an
 --phases: where in the step rank 0's memory peaks: its RSS above the step's start read after every aten operator,
 the highest per part of the step (the forward of each decoder layer's blocks, the loss after the last layer, the
 backward through each layer's recompute), one line each.
+
+    torchrun --standalone --nproc-per-node 2 scripts/bench_reach.py --arm hfcp_tiled --seq-len 4096 --saved
+
+--saved: what each decoder layer's forward keeps for backward with checkpointing off, in hidden vectors per local
+token (scripts/saved_census.py).
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import REACH_SHAPE, PeakRSS, fix_mmap_threshold, lora_llama  # noqa: E402
+from saved_census import SavedCensus  # noqa: E402
 
 ARMS = ("hfcp", "hfcp_tiled", "hfcp_tiled_offload", "alst")
 
@@ -161,7 +167,8 @@ def measure(args) -> None:
     # alst: transformers' checkpoint offload (save_on_cpu with pinned memory), on CUDA only: on CPU transformers 5.24
     # asks for pinned memory anyway and the forward raises (and the host is the device there: it would save nothing)
     offload = args.arm == "alst" and torch.cuda.is_available()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=offload)
+    if not args.saved:  # (--saved: what each layer keeps when nothing is recomputed)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=offload)
     ids = torch.randint(0, REACH_SHAPE["vocab_size"], (1, args.seq_len), generator=torch.Generator().manual_seed(1))
     step = alst_step(model, ids, args.seq_len) if args.arm == "alst" else hfcp_step(model, ids, args.arm)
     loss = step()  # warm-up
@@ -174,6 +181,18 @@ def measure(args) -> None:
             out.loss.backward()
         if dist.get_rank() == 0:
             phases.report()
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    if args.saved:
+        census = SavedCensus(model.get_base_model().model.layers, list(model.parameters()))
+        with census.saving():
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+        unit = model.config.hidden_size * 4 * (args.seq_len // dist.get_world_size())
+        if dist.get_rank() == 0:
+            for where, nbytes in census.per_layer().items():
+                print(f"SAVED {where:20s} {nbytes / unit:5.2f} hidden vectors per local token", flush=True)
+        out.loss.backward()
         dist.barrier()
         dist.destroy_process_group()
         return
@@ -229,12 +248,14 @@ def main(argv=None):
     ap.add_argument("--cap", type=float, default=1024, help="MB per rank for the longest-sequence column")
     ap.add_argument("--model", choices=["llama", "moe"], default="llama")
     ap.add_argument("--phases", action="store_true", help="with --arm hfcp*: rank 0's peak per part of the step")
+    ap.add_argument("--saved", action="store_true",
+                    help="with --arm hfcp*: what each decoder layer's forward keeps for backward, no checkpointing")
     args = ap.parse_args(argv)
     if args.model == "moe" and ("alst" in ([args.arm] if args.arm else args.arms)):
         raise SystemExit("bench_reach.py: --model moe runs the hfcp arms only (DeepSpeed's TiledMLP is for dense MLPs): "
                          "pass --arms hfcp hfcp_tiled")
-    if args.phases and not (args.arm or "").startswith("hfcp"):
-        raise SystemExit(f"bench_reach.py: --phases needs --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm "
+    if (args.phases or args.saved) and not (args.arm or "").startswith("hfcp"):
+        raise SystemExit(f"bench_reach.py: --phases and --saved need --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm "
                          f"{args.arm})")
     measure(args) if args.arm else drive(args)
 

@@ -33,6 +33,8 @@ RUNS = {
                                    str(tmp / "rows.json")],
     "reach_phases": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                  "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--phases"],
+    "reach_saved": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--saved"],
     "bench_dpo": lambda tmp: [sys.executable, "scripts/bench_dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
                               "512", "--side-by-side", "--json", str(tmp / "bench_dpo.json")],
 }
@@ -156,10 +158,19 @@ def test_bench_reach_phases_names_each_part_of_the_step(runs):
     assert sum("<- peak" in line for line in lines) == 1, r.stdout
 
 
+def test_bench_reach_saved_counts_what_each_layer_keeps(runs):
+    """--saved: with tiled_mlp each decoder layer keeps its input, q, k, v, attention's output and the residual after
+    attention (4.5 hidden vectors a token, and LoRA's and the softmax's small ones), not its norms' outputs (7)."""
+    r, _ = runs["reach_saved"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    kept = {m[0]: float(m[1]) for m in re.findall(r"SAVED (layer \d+)\s+([\d.]+) hidden vectors", r.stdout)}
+    assert len(kept) == 8 and all(4.4 < v < 5.0 for k, v in kept.items() if k != "layer 0"), r.stdout
+
+
 def test_bench_reach_phases_refused_for_alst(monkeypatch):
     from launches import script_error
 
-    assert "--phases needs --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm alst)" in script_error(
+    assert "--phases and --saved need --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm alst)" in script_error(
         "bench_reach", ["--arm", "alst", "--seq-len", "512", "--phases"], monkeypatch)
 
 

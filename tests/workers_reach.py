@@ -69,7 +69,8 @@ def tiled_step(kind: str, tile: int, lora: bool = False, checkpointing: bool | s
     calls[:], rows[:] = [0] * len(tiled), [0] * len(tiled)  # (not the probes hfcp.patch ran)
     want = ref(**batch, use_cache=False).loss
     want.backward()
-    got = model(**batch, use_cache=False).loss
+    with _NormSaves(model) as norm_saves:
+        got = model(**batch, use_cache=False).loss
     got.backward()
     local = hfcp.cp_state(model).step.layout.local_len
     offloader = find_pretrained(model).__dict__["forward"].last if offload else None
@@ -87,7 +88,36 @@ def tiled_step(kind: str, tile: int, lora: bool = False, checkpointing: bool | s
             "grads": len(grads), "missing": sorted(set(ref_grads) - set(grads)), "calls": calls_before,
             "eval_calls": [b - a for a, b in zip(calls_before, calls)], "tiles": [math.ceil(n / tile) for n in whole],
             "left_after_unpatch": left, "offloaded": offloader.count if offloader else 0, "offloaded_bytes": offloader.bytes if offloader else 0,
-            "hidden_bytes": local * batch["input_ids"].shape[0] * model.config.get_text_config().hidden_size * 4}
+            "norm_saves": norm_saves.count, "hidden_bytes": local * batch["input_ids"].shape[0] * model.config.get_text_config().hidden_size * 4}
+
+
+class _NormSaves:
+    """How many tensors the forward saved for backward that are outputs of a decoder layer's norm (hfcp.norm_fold:
+    none where every reader of a norm's output folds it)."""
+
+    def __init__(self, model):
+        from hfcp.norm_fold import norms_of
+        from hfcp.tiling import tile_layers
+
+        self.norms = [n for layer in tile_layers(find_pretrained(model)) for n in norms_of(layer)]
+        self.outputs, self.count = [], 0  # (the outputs held: their storages are not reused while counting)
+
+    def __enter__(self):
+        self.hooks = [n.register_forward_hook(lambda m, a, out: self.outputs.append(out)) for n in self.norms]
+        self.saving = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.saving.__enter__()
+        return self
+
+    def _pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        self.count += any(o.untyped_storage().data_ptr() == ptr for o in self.outputs)
+        return t
+
+    def __exit__(self, *exc):
+        self.saving.__exit__(*exc)
+        for h in self.hooks:
+            h.remove()
+        self.outputs = []
 
 
 def _counted(forward, calls: list, rows: list, i: int):
