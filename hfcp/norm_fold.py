@@ -142,19 +142,35 @@ def _folding(norms: list[nn.Module]):
 
 
 def _recomputed(linear: nn.Module, forward, norms: list[nn.Module], tile: int):
-    """The linear layer's forward: given a norm's output, linear(norm(input)) by TiledCall, in one tile forward (its
-    output is whole anyway) and in tiles of `tile` tokens backward (where the forward drew no random numbers: the
-    norm's backward, several hidden-size tensors, then exists for a tile at a time)."""
+    """The linear layer's forward in training: given a norm's output, linear(norm(input)) by TiledCall; given
+    anything else, a PEFT-wrapped linear (o_proj with LoRA: its adapter's output, scaled, and their sum are each a
+    whole hidden-size tensor) by TiledCall too. In tiles of `tile` tokens where they draw no random numbers, else
+    in one (LoRA's dropout: the masks the untiled layer draws); the norm, the adapter and their backward then
+    exist for a tile at a time. Not where ZeRO-3 or FSDP2 gather the adapter's weights on its own sub-layers (a
+    gather per tile)."""
+    adapter = hasattr(linear, "base_layer")
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        found = source(norms, args, kwargs) if linear.training and torch.is_grad_enabled() else None
-        if found is None:
+        if not (linear.training and torch.is_grad_enabled()) or compiling():
             return forward(*args, **kwargs)
-        norm, x = found
+        found = source(norms, args, kwargs)
+        if found is not None:
+            norm, x = found
+            call, params = through(norm, forward), trainable(linear, norm)
+        elif adapter and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) and \
+                args[0].dim() >= 2 and not _gathered_per_layer(linear):
+            call, x, params = forward, args[0], trainable(linear)
+        else:
+            return forward(*args, **kwargs)
         whole = max(x.shape[-2], 1)
-        return TiledCall.apply(through(norm, forward), (whole, min(tile, whole)), 1, x, *trainable(linear, norm))
+        return TiledCall.apply(call, (whole, min(tile, whole)), 1, x, *params)
     return run
+
+
+def _gathered_per_layer(module: nn.Module) -> bool:
+    """Whether ZeRO-3 (ds_id) or FSDP2 (a DTensor) holds some of the module's weights partitioned here."""
+    return any(hasattr(p, "ds_id") or hasattr(p, "to_local") for p in module.parameters())
 
 
 def fold_norms(layers: list[nn.Module], mlps: list[nn.Module], width: int, tile: int):

@@ -221,8 +221,9 @@ def _compare(whole, halves, differs: str) -> str | None:
 class TiledCall(torch.autograd.Function):
     """forward(*args) over tiles of `tile` tokens (dim -2 of every argument): in forward without autograd's record,
     in backward each tile recomputed and differentiated alone, so one tile's intermediates exist at a time. `tile`
-    may be a pair (forward's, backward's): the backward takes the finer tiles only where the forward, in one tile,
-    drew no random numbers (otherwise the recompute must draw what the forward drew, as it drew it). Each
+    may be a pair (coarse, fine): the fine tiles where the first of them draws no random numbers, else the coarse
+    ones, drawn from the same random state (a linear layer with LoRA's dropout, in one tile: the masks its untiled
+    call would draw; a recompute must draw what its forward drew, so backward takes forward's tiles). Each
     tile's recompute runs under the forward's autocast and from the random state its forward started from (as
     torch's checkpoint does): a LoRA layer's dropout draws the same masks twice.
 
@@ -237,26 +238,30 @@ class TiledCall(torch.autograd.Function):
     def forward(ctx, forward, tile, n_args: int, *inputs):
         args, ctx.params = inputs[:n_args], inputs[n_args:]  # (the live parameters: what the recompute reads)
         tile, finer = tile if isinstance(tile, tuple) else (tile, tile)  # (see TiledCall's docstring)
-        ctx.forward, ctx.tile, ctx.name = forward, tile, getattr(forward, "__qualname__", "the tiled module")
+        ctx.forward, ctx.name = forward, getattr(forward, "__qualname__", "the tiled module")
         device = args[0].device
         ctx.autocast = (device.type, dict(enabled=torch.is_autocast_enabled(device.type),
                                           dtype=torch.get_autocast_dtype(device.type),
                                           cache_enabled=torch.is_autocast_cache_enabled()))
         ctx.device = device if device.type != "cpu" else None  # (an accelerator: its random state too)
-        ctx.rng = []
         ctx.save_for_backward(*args)
-        out, start = None, 0
+        ctx.rng, out, start = [], None, 0
         with torch.no_grad():
-            for part in _tiles(args, tile):
-                ctx.rng.append((torch.get_rng_state(), _device_rng(ctx.device).get_rng_state(ctx.device)
-                                if ctx.device is not None else None))
+            parts, ctx.tile = _tiles(args, finer), finer
+            if finer < tile:  # the finer tiles where their first draws no random numbers, else the coarser
+                ctx.rng.append(_rng(ctx.device))
+                y = forward(*parts[0])
+                if _same_rng(ctx.rng[0], ctx.device):
+                    out = _into(out, y, args, start)
+                    start, parts = y.shape[-2], parts[1:]
+                else:  # (drawn again from the same state in the coarser tiles: as the untiled layer draws them)
+                    _set_rng(ctx.rng.pop(), ctx.device)
+                    parts, ctx.tile = _tiles(args, tile), tile
+            for part in parts:
+                ctx.rng.append(_rng(ctx.device))
                 y = forward(*part)
-                if out is None:  # (each tile written into the whole output: no list of tiles beside it)
-                    out = y.new_empty((*y.shape[:-2], args[0].shape[-2], y.shape[-1]))
-                out.narrow(-2, start, y.shape[-2]).copy_(y)
+                out = _into(out, y, args, start)
                 start += y.shape[-2]
-        if finer < tile and len(ctx.rng) == 1 and _same_rng(ctx.rng[0], ctx.device):  # (no random numbers drawn)
-            ctx.tile, ctx.rng = finer, ctx.rng * math.ceil(args[0].shape[-2] / finer)
         return out
 
     @staticmethod
@@ -268,12 +273,10 @@ class TiledCall(torch.autograd.Function):
         param_grads = [None] * len(params)
         tiles = zip(_tiles(args, tile), grad.split(tile, dim=-2), ctx.rng)
         start = 0
-        for n, (part, g, (cpu_rng, device_rng)) in enumerate(tiles):
+        for n, (part, g, state) in enumerate(tiles):
             xs = [x.detach().requires_grad_(need) for x, need in zip(part, needs)]
             with forked_rng(ctx.device or torch.device("cpu")):
-                torch.set_rng_state(cpu_rng)
-                if ctx.device is not None:
-                    _device_rng(ctx.device).set_rng_state(device_rng, ctx.device)
+                _set_rng(state, ctx.device)
                 with torch.enable_grad(), torch.autocast(ctx.autocast[0], **ctx.autocast[1]):
                     out = ctx.forward(*xs)
             wrt = [x for x, need in zip(xs, needs) if need] + list(params)
@@ -295,6 +298,25 @@ class TiledCall(torch.autograd.Function):
             start += rows
         ctx.rng = None
         return (None, None, None, *arg_grads, *param_grads)
+
+
+def _rng(device) -> tuple:
+    """The random state a tile starts from: the CPU's, and the accelerator's (None on CPU)."""
+    return torch.get_rng_state(), _device_rng(device).get_rng_state(device) if device is not None else None
+
+
+def _set_rng(state: tuple, device) -> None:
+    torch.set_rng_state(state[0])
+    if device is not None:
+        _device_rng(device).set_rng_state(state[1], device)
+
+
+def _into(out, y: torch.Tensor, args, start: int) -> torch.Tensor:
+    """Tile `y` written into the whole output at row `start` (allocated at the first tile: no list of tiles)."""
+    if out is None:
+        out = y.new_empty((*y.shape[:-2], args[0].shape[-2], y.shape[-1]))
+    out.narrow(-2, start, y.shape[-2]).copy_(y)
+    return out
 
 
 def _same_rng(saved: tuple, device) -> bool:

@@ -13,7 +13,7 @@ from workers_model import make_batch, tiny_model
 L, TILE = 32, 8
 
 
-def _pair(lora_dropout: float | None):
+def _pair(lora_dropout: float | None, targets=("q_proj",)):
     models = []
     for _ in range(2):
         m = tiny_model("llama", num_hidden_layers=2)
@@ -21,7 +21,7 @@ def _pair(lora_dropout: float | None):
             from peft import LoraConfig, get_peft_model
 
             torch.manual_seed(1)
-            m = get_peft_model(m, LoraConfig(r=4, lora_dropout=lora_dropout, target_modules=["q_proj"]))
+            m = get_peft_model(m, LoraConfig(r=4, lora_dropout=lora_dropout, target_modules=list(targets)))
             with torch.no_grad():
                 for n, p in m.named_parameters():
                     if "lora_B" in n:
@@ -80,6 +80,30 @@ def test_folded_norms_equal_the_model_and_are_recomputed_by_their_readers(lora_d
     # (with LoRA on q only, layer 0's k and v take no gradient: nothing before them trains)
     first = q_tiles + (2 * L // TILE if lora_dropout is None else 0)
     assert calls == [first + q_tiles + 2 * L // TILE, len(layers) * L // TILE], calls
+
+
+@pytest.mark.parametrize("lora_dropout, tiles", [(0.0, L // TILE), (0.3, 1)])
+def test_an_adapter_on_a_linear_that_reads_no_norm_runs_in_tiles(lora_dropout, tiles):
+    """o_proj with LoRA reads attention's output, no norm: its adapter's whole-width temporaries exist for a tile at
+    a time, forward and backward, where the adapter draws no random numbers; with LoRA's dropout in one tile, drawing
+    the masks the model draws (the gradients equal the model's either way)."""
+    ref, model, layers = _pair(lora_dropout, targets=("q_proj", "o_proj"))
+    batch = make_batch(dict(B=2, L=L))
+    want, ref_grads = _step(ref, batch)
+    rows = []
+    hooks = [layer.self_attn.o_proj.lora_B["default"].register_forward_hook(
+        lambda m, a, out: rows.append(a[0].shape[-2])) for layer in layers]
+    got, grads = _step(model, batch)
+    for h in hooks:
+        h.remove()
+    assert abs(got - want) <= 1e-6 * abs(want)
+    assert grads.keys() == ref_grads.keys() and any("o_proj" in n for n in grads)
+    for n, g in grads.items():
+        assert torch.allclose(g, ref_grads[n], rtol=1e-5, atol=1e-6), n
+    # rows of each call of an o_proj's adapter: its tiles in forward and again in backward; under dropout one fine
+    # tile tried (it drew: undone), then the whole rows in forward and in backward
+    per_layer = [TILE] * (2 * L // TILE) if tiles > 1 else [TILE, L, L]
+    assert sorted(rows) == sorted(per_layer * len(layers)), rows
 
 
 def test_a_norm_output_changed_in_place_is_not_folded():

@@ -18,6 +18,7 @@ from .cuda_kernels import aligned_mask
 from .kernels import NEG_INF, acc_dtype, has_fused_kernel, kernel_backward, kernel_forward, lse_for_backward, merge_into
 
 MAX_TILE = 1024
+BACKWARD_TILE = 2048  # queries and keys of the largest kernel call in backward (see backward_pieces)
 
 
 @dataclass(frozen=True)
@@ -228,10 +229,28 @@ def forward_tiles(q, k, v, tiles: list[Tile], scale: float, out: torch.Tensor, l
         merge_into(out[:, :, qs], lse[:, :, qs], o, l)
 
 
+def backward_pieces(t: Tile) -> list[Tile]:
+    """A tile without a mask cut into kernel calls of at most BACKWARD_TILE queries x BACKWARD_TILE keys: a causal (square) tile into full
+    pieces below its diagonal and causal squares on it. A kernel's backward returns whole gradients of its queries
+    and keys, added into the accumulators after; in pieces those temporaries are a fixed size, not the rank's whole
+    block (forward has no such temporary: its merge is in place). Masked tiles are at most MAX_TILE already."""
+    n = BACKWARD_TILE
+    if t.mask is not None or (t.q_len <= n and t.k_len <= n):
+        return [t]
+    pieces = []
+    for a in range(0, t.q_len, n):
+        rows = min(n, t.q_len - a)
+        below = a if t.is_causal else t.k_len  # the keys every query of the piece sees
+        pieces += [Tile(t.q_off + a, rows, t.k_off + c, min(n, below - c), softcap=t.softcap) for c in range(0, below, n)]
+        if t.is_causal:
+            pieces.append(Tile(t.q_off + a, rows, t.k_off + a, rows, is_causal=True, softcap=t.softcap))
+    return pieces
+
+
 def backward_tiles(dout, q, k, v, out, lse, tiles: list[Tile], scale: float, dq, dk, dv) -> None:
     """Accumulate the block gradients of `tiles` into dq, dk, dv (acc_dtype), given the merged out and lse."""
     lse_b = lse_for_backward(lse)
-    for t in tiles:
+    for t in (piece for tile in tiles for piece in backward_pieces(tile)):
         qs, ks = slice(t.q_off, t.q_off + t.q_len), slice(t.k_off, t.k_off + t.k_len)
         gq, gk, gv = kernel_backward(
             dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse_b[:, :, qs],
@@ -240,6 +259,7 @@ def backward_tiles(dout, q, k, v, out, lse, tiles: list[Tile], scale: float, dq,
         dq[:, :, qs] += gq
         dk[:, :, ks] += gk
         dv[:, :, ks] += gv
+        del gq, gk, gv  # before the next piece's kernel allocates its own
 
 
 def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,9 @@
 
 Forward: step s computes the local queries against the K/V of rank (r - s) mod cp while the next block
 is in flight. Backward: recompute per block from the saved merged out and lse; dQ stays local; dK/dV
-accumulate in a buffer that travels with the K/V and arrives home after cp steps.
+accumulate in a buffer that travels with the K/V and arrives home after cp steps. The buffer arrives before the
+step that adds to it (that transfer is not hidden behind the step's compute), so a rank holds one block of dK/dV,
+not three (the one sent, the one received and the step's own): at a layer's backward, where a long step peaks.
 No rank ever holds more than two K/V blocks.
 """
 from __future__ import annotations
@@ -58,14 +60,11 @@ def ring_backward(dout, q, k, v, out, lse, sb: StepBatch, spec: MaskSpec, scale:
             kv_comm.exchange(kv)
         owner = (rank - step) % cp
         tiles = plan_tiles(spec, sb, q_ranges, ranges_of(owner), q.dtype, q.device)
-        dk = torch.zeros_like(k, dtype=acc_dtype(q.dtype))  # grads for the block of `owner`
-        dv = torch.zeros_like(v, dtype=acc_dtype(q.dtype))
-        backward_tiles(dout, q, kv[0], kv[1], out, lse, tiles, scale, dq, dk, dv)
-        if step > 0:  # add what earlier holders of this block accumulated
-            dk_in, dv_in = grad_comm.wait()
-            dk += dk_in
-            dv += dv_in
-        grad_comm.exchange([dk, dv])
+        # the block's grads so far: what its earlier holders accumulated, received before this step's compute and
+        # added to in place (one block of grads alive, not the one sent, the one received and a fresh one)
+        dkv = grad_comm.wait() if step > 0 else [torch.zeros_like(t, dtype=acc_dtype(q.dtype)) for t in (k, v)]
+        backward_tiles(dout, q, kv[0], kv[1], out, lse, tiles, scale, dq, *dkv)
+        grad_comm.exchange(dkv)
         if step + 1 < cp:
             kv = kv_comm.wait()
     dk, dv = grad_comm.wait()  # our own block's grads, back home after cp hops
