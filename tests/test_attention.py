@@ -54,28 +54,29 @@ def test_split_tiles_are_exact(pool2, strategy):
 
 @pytest.mark.parametrize("mask", ["causal", "bidirectional", "packed_window"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_backward_pieces_are_exact(pool2, strategy, mask):
-    """Backward in kernel calls of at most 8 x 8 (BACKWARD_TILE, 2048 by default): the same gradients."""
-    _check(pool2.run(W.run_case, _case(strategy, mask, 2, L=56, backward_tile=8))[0])
+def test_kernel_pieces_are_exact(pool2, strategy, mask):
+    """Forward and backward in kernel calls of at most 8 x 8 (KERNEL_TILE, 2048 by default): the same output and
+    gradients."""
+    _check(pool2.run(W.run_case, _case(strategy, mask, 2, L=56, kernel_tile=8))[0])
 
 
-def test_backward_pieces_cover_the_tile(monkeypatch):
-    """A causal tile's pieces cover exactly its lower triangle, each once, none larger than BACKWARD_TILE; a full
+def test_kernel_pieces_cover_the_tile(monkeypatch):
+    """A causal tile's pieces cover exactly its lower triangle, each once, none larger than KERNEL_TILE; a full
     tile's pieces cover it whole; a masked tile stays whole."""
     from hfcp.attention import blocks
 
-    monkeypatch.setattr(blocks, "BACKWARD_TILE", 8)
+    monkeypatch.setattr(blocks, "KERNEL_TILE", 8)
     for tile, want in ((blocks.Tile(3, 21, 5, 21, is_causal=True), torch.ones(21, 21).tril()),
                        (blocks.Tile(3, 21, 5, 17), torch.ones(21, 17))):
         seen = torch.zeros_like(want)
-        pieces = blocks.backward_pieces(tile)
+        pieces = blocks.kernel_pieces(tile)
         for p in pieces:
             assert p.q_len <= 8 and p.k_len <= 8 and (not p.is_causal or p.q_len == p.k_len), p
             block = torch.ones(p.q_len, p.k_len).tril() if p.is_causal else torch.ones(p.q_len, p.k_len)
             seen[p.q_off - 3 : p.q_off - 3 + p.q_len, p.k_off - 5 : p.k_off - 5 + p.k_len] += block
         assert len(pieces) > 3 and torch.equal(seen, want)
     masked = blocks.Tile(0, 20, 0, 20, mask=torch.zeros(1, 1, 20, 20))
-    assert blocks.backward_pieces(masked) == [masked]
+    assert blocks.kernel_pieces(masked) == [masked]
 
 
 def test_bf16_within_bf16_tolerance(pool2):

@@ -87,6 +87,26 @@ def test_tiles_are_recomputed_under_the_forwards_autocast():
     assert seen == [(False, True, torch.bfloat16)] * 3 + [(True, True, torch.bfloat16)] * 3, seen
 
 
+def test_tiles_that_draw_nothing_share_one_random_state():
+    """A call's tiles keep the random state each starts from until its backward (under checkpointing, every layer's
+    call of the step at once): one object where nothing is drawn (5 KB, not 5 KB a tile), one a tile under LoRA's
+    dropout."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from hfcp.tiling import tiled_forward
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64)
+    for dropout, distinct in ((0.0, 1), (0.5, 3)):
+        holder = torch.nn.Module()
+        holder.mlp = transformers.models.llama.modeling_llama.LlamaMLP(config)
+        mlp = get_peft_model(holder, LoraConfig(r=4, lora_dropout=dropout, target_modules=["up_proj"])).base_model \
+            .model.mlp
+        y = tiled_forward(mlp, mlp.forward, 4)(torch.randn(1, 12, 32, requires_grad=True))
+        assert len(y.grad_fn.rng) == 3 and len({id(state) for state in y.grad_fn.rng}) == distinct, dropout
+
+
 def test_an_mlp_that_draws_random_numbers_is_refused():
     """Dropout in an MLP's forward (functional, not a child module): tiles would draw other numbers than the whole."""
     from torch import nn

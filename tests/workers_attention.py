@@ -96,7 +96,7 @@ def run_case(case: dict):
     from hfcp.attention import blocks
 
     blocks.MAX_TILE = case.get("max_tile", 1024)
-    blocks.BACKWARD_TILE = case.get("backward_tile", 2048)
+    blocks.KERNEL_TILE = case.get("kernel_tile", 2048)
     mesh = mesh_for(case["cp"])
     q, k, v, dout, position_ids, attention_mask = make_case(case)
     dtype = case.get("dtype", torch.float32)

@@ -18,7 +18,7 @@ from .cuda_kernels import aligned_mask
 from .kernels import NEG_INF, acc_dtype, has_fused_kernel, kernel_backward, kernel_forward, lse_for_backward, merge_into
 
 MAX_TILE = 1024
-BACKWARD_TILE = 2048  # queries and keys of the largest kernel call in backward (see backward_pieces)
+KERNEL_TILE = 2048  # queries and keys of the largest kernel call (see kernel_pieces)
 
 
 @dataclass(frozen=True)
@@ -218,23 +218,13 @@ def fused_for(spec: MaskSpec, device, dtype) -> bool:
     return spec.softcap is None and has_fused_kernel(device, dtype)
 
 
-def forward_tiles(q, k, v, tiles: list[Tile], scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Accumulate attention of q against k/v over `tiles` into out (B, H, Lq, D) and lse (B, H, Lq) (acc_dtype)."""
-    for t in tiles:
-        qs, ks = slice(t.q_off, t.q_off + t.q_len), slice(t.k_off, t.k_off + t.k_len)
-        o, l = kernel_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], t.mask, t.is_causal, scale, t.softcap)
-        if t.empty_rows is not None:  # the CPU kernel reports lse 0 for such rows: give them no weight
-            l = l.masked_fill(t.empty_rows, NEG_INF)
-            o = o.masked_fill(t.empty_rows[..., None], 0.0)  # and never let a kernel's NaN there reach the merge
-        merge_into(out[:, :, qs], lse[:, :, qs], o, l)
-
-
-def backward_pieces(t: Tile) -> list[Tile]:
-    """A tile without a mask cut into kernel calls of at most BACKWARD_TILE queries x BACKWARD_TILE keys: a causal (square) tile into full
-    pieces below its diagonal and causal squares on it. A kernel's backward returns whole gradients of its queries
-    and keys, added into the accumulators after; in pieces those temporaries are a fixed size, not the rank's whole
-    block (forward has no such temporary: its merge is in place). Masked tiles are at most MAX_TILE already."""
-    n = BACKWARD_TILE
+def kernel_pieces(t: Tile) -> list[Tile]:
+    """A tile without a mask cut into kernel calls of at most KERNEL_TILE queries x KERNEL_TILE keys: a causal
+    (square) tile into full pieces below its diagonal and causal squares on it. A kernel call returns whole tensors
+    for its queries and keys (forward: the block's output, merged into the accumulators after; backward: dq, dk and
+    dv, added after); in pieces those temporaries are a fixed size, not the rank's whole block. Masked tiles are at
+    most MAX_TILE x MAX_TILE already."""
+    n = KERNEL_TILE
     if t.mask is not None or (t.q_len <= n and t.k_len <= n):
         return [t]
     pieces = []
@@ -247,10 +237,21 @@ def backward_pieces(t: Tile) -> list[Tile]:
     return pieces
 
 
+def forward_tiles(q, k, v, tiles: list[Tile], scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Accumulate attention of q against k/v over `tiles` into out (B, H, Lq, D) and lse (B, H, Lq) (acc_dtype)."""
+    for t in (piece for tile in tiles for piece in kernel_pieces(tile)):
+        qs, ks = slice(t.q_off, t.q_off + t.q_len), slice(t.k_off, t.k_off + t.k_len)
+        o, l = kernel_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], t.mask, t.is_causal, scale, t.softcap)
+        if t.empty_rows is not None:  # the CPU kernel reports lse 0 for such rows: give them no weight
+            l = l.masked_fill(t.empty_rows, NEG_INF)
+            o = o.masked_fill(t.empty_rows[..., None], 0.0)  # and never let a kernel's NaN there reach the merge
+        merge_into(out[:, :, qs], lse[:, :, qs], o, l)
+
+
 def backward_tiles(dout, q, k, v, out, lse, tiles: list[Tile], scale: float, dq, dk, dv) -> None:
     """Accumulate the block gradients of `tiles` into dq, dk, dv (acc_dtype), given the merged out and lse."""
     lse_b = lse_for_backward(lse)
-    for t in (piece for tile in tiles for piece in backward_pieces(tile)):
+    for t in (piece for tile in tiles for piece in kernel_pieces(tile)):
         qs, ks = slice(t.q_off, t.q_off + t.q_len), slice(t.k_off, t.k_off + t.k_len)
         gq, gk, gv = kernel_backward(
             dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse_b[:, :, qs],
