@@ -32,6 +32,11 @@ backward through each layer's recompute), one line each.
 
 --saved: what each decoder layer's forward keeps for backward with checkpointing off, in hidden vectors per local
 token (scripts/saved_census.py).
+
+    torchrun --standalone --nproc-per-node 2 scripts/bench_reach.py --arm hfcp_tiled --seq-len 32768 --census
+
+--census: what is alive at rank 0's peak of a step (any arm), grouped by the operator that allocated it, in hidden
+vectors per local token (scripts/alloc_census.py); with --phases, after the phases.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import REACH_SHAPE, PeakRSS, fix_mmap_threshold, lora_llama  # noqa: E402
+from alloc_census import peak_census  # noqa: E402
 from saved_census import SavedCensus  # noqa: E402
 
 ARMS = ("hfcp", "hfcp_tiled", "hfcp_tiled_offload", "alst")
@@ -172,15 +178,25 @@ def measure(args) -> None:
     ids = torch.randint(0, REACH_SHAPE["vocab_size"], (1, args.seq_len), generator=torch.Generator().manual_seed(1))
     step = alst_step(model, ids, args.seq_len) if args.arm == "alst" else hfcp_step(model, ids, args.arm)
     loss = step()  # warm-up
-    if args.phases:
-        model.zero_grad(set_to_none=True)
-        phases = Phases(model, PeakRSS._rss())
-        with phases.mode:
-            out = model(input_ids=ids, labels=ids, use_cache=False)
-            phases.phase = "backward"
-            out.loss.backward()
-        if dist.get_rank() == 0:
-            phases.report()
+    if args.phases or args.census:
+        if args.phases:
+            model.zero_grad(set_to_none=True)
+            phases = Phases(model, PeakRSS._rss())
+            with phases.mode:
+                out = model(input_ids=ids, labels=ids, use_cache=False)
+                phases.phase = "backward"
+                out.loss.backward()
+            if dist.get_rank() == 0:
+                phases.report()
+        if args.census:
+            model.zero_grad(set_to_none=True)
+            peak, where, rows = peak_census(step)
+            unit = model.config.hidden_size * 4 * (args.seq_len // dist.get_world_size())
+            if dist.get_rank() == 0:
+                print(f"CENSUS peak {peak / unit:.2f} hidden vectors per local token ({peak / 2**20:.1f} MB), "
+                      f"allocating in {where}", flush=True)
+                for nbytes, n, op in rows:
+                    print(f"CENSUS {nbytes / unit:6.2f} x{n:<4d} {op}", flush=True)
         dist.barrier()
         dist.destroy_process_group()
         return
@@ -248,6 +264,7 @@ def main(argv=None):
     ap.add_argument("--cap", type=float, default=1024, help="MB per rank for the longest-sequence column")
     ap.add_argument("--model", choices=["llama", "moe"], default="llama")
     ap.add_argument("--phases", action="store_true", help="with --arm hfcp*: rank 0's peak per part of the step")
+    ap.add_argument("--census", action="store_true", help="with --arm: what is alive at rank 0's peak of a step")
     ap.add_argument("--saved", action="store_true",
                     help="with --arm hfcp*: what each decoder layer's forward keeps for backward, no checkpointing")
     args = ap.parse_args(argv)
@@ -257,6 +274,8 @@ def main(argv=None):
     if (args.phases or args.saved) and not (args.arm or "").startswith("hfcp"):
         raise SystemExit(f"bench_reach.py: --phases and --saved need --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm "
                          f"{args.arm})")
+    if args.census and not args.arm:
+        raise SystemExit("bench_reach.py: --census measures one arm: pass --arm and --seq-len (under torchrun)")
     measure(args) if args.arm else drive(args)
 
 

@@ -32,7 +32,8 @@ RUNS = {
                                    "--new-tokens", "3", "--width", "64", "--layers", "1", "--json",
                                    str(tmp / "rows.json")],
     "reach_phases": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                 "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--phases"],
+                                 "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--phases",
+                                 "--census"],
     "reach_saved": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                 "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--saved"],
     "bench_dpo": lambda tmp: [sys.executable, "scripts/bench_dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
@@ -156,6 +157,18 @@ def test_bench_reach_phases_names_each_part_of_the_step(runs):
     parts = {tuple(line.split()[:3]) for line in lines}
     assert ("forward", "final", "norm") in parts and ("backward", "layer", "0") in parts, r.stdout
     assert sum("<- peak" in line for line in lines) == 1, r.stdout
+
+
+def test_bench_reach_census_accounts_for_the_peak(runs):
+    """--census (in the same run as --phases): the peak, and what is alive there by allocating operator, adding up to
+    it; the layers' checkpointed inputs among them."""
+    r, _ = runs["reach_phases"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    peak = re.search(r"CENSUS peak ([\d.]+) hidden vectors per local token \(([\d.]+) MB\), allocating in \S", r.stdout)
+    rows = [(float(m[0]), m[1]) for m in re.findall(r"CENSUS\s+([\d.]+) x\d+\s+(.+)", r.stdout)]
+    assert peak and len(rows) >= 3, r.stdout
+    assert abs(sum(v for v, _ in rows) - float(peak[1])) <= 0.01 * len(rows) + 0.01, r.stdout
+    assert any(op.startswith("aten::add") for _, op in rows), r.stdout  # (the residual stream: each layer's output)
 
 
 def test_bench_reach_saved_counts_what_each_layer_keeps(runs):
