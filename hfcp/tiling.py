@@ -20,7 +20,6 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import math
 import re
 import textwrap
 
@@ -249,7 +248,7 @@ class TiledCall(torch.autograd.Function):
         with torch.no_grad():
             parts, ctx.tile = _tiles(args, finer), finer
             if finer < tile:  # the finer tiles where their first draws no random numbers, else the coarser
-                ctx.rng.append(_rng(ctx.device))
+                _note_rng(ctx.rng, ctx.device)
                 y = forward(*parts[0])
                 if _same_rng(ctx.rng[0], ctx.device):
                     out = _into(out, y, args, start)
