@@ -9,7 +9,7 @@ recompute of the norm gives back from the norm's input (one hidden-size row per 
 How, with no per-family code: each norm of a decoder layer (a child whose class name holds "Norm") notes the
 (input, output) of its last training call; a linear layer of the layer's mixer (q_proj, ...) or its tiled MLP called
 with exactly that output tensor, unchanged since (the same version counters), computes consumer(norm(input))
-instead, through TiledCall: the MLP over tiles (the norm in each tile, so the norm must compute each token alone: a
+instead, through tiled_call: the MLP over tiles (the norm in each tile, so the norm must compute each token alone: a
 probe, as for the MLP), a linear layer as one tile (its backward replays its forward: no per-token property is
 needed). Nobody then saves the norm's output, and it is freed when the layer's code lets it go. A consumer called
 with anything else (a view, another tensor) runs as before.
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .compiler import compiling
-from .tiling import PROBE_SPLIT, TiledCall, _compare, _forward_body, _probe_input, _RANDOM
+from .tiling import PROBE_SPLIT, tiled_call, _compare, _forward_body, _probe_input, _RANDOM
 
 _REPLAYING = contextvars.ContextVar("hfcp_norm_replaying", default=False)  # (a consumer's own call of the norm)
 
@@ -142,9 +142,9 @@ def _folding(norms: list[nn.Module]):
 
 
 def _recomputed(linear: nn.Module, forward, norms: list[nn.Module], tile: int):
-    """The linear layer's forward in training: given a norm's output, linear(norm(input)) by TiledCall; given
+    """The linear layer's forward in training: given a norm's output, linear(norm(input)) by tiled_call; given
     anything else, a PEFT-wrapped linear (o_proj with LoRA: its adapter's output, scaled, and their sum are each a
-    whole hidden-size tensor) by TiledCall too. In tiles of `tile` tokens where they draw no random numbers, else
+    whole hidden-size tensor) by tiled_call too. In tiles of `tile` tokens where they draw no random numbers, else
     in one (LoRA's dropout: the masks the untiled layer draws); the norm, the adapter and their backward then
     exist for a tile at a time. Not where ZeRO-3 or FSDP2 gather the adapter's weights on its own sub-layers (a
     gather per tile)."""
@@ -164,7 +164,7 @@ def _recomputed(linear: nn.Module, forward, norms: list[nn.Module], tile: int):
         else:
             return forward(*args, **kwargs)
         whole = max(x.shape[-2], 1)
-        return TiledCall.apply(call, (whole, min(tile, whole)), 1, x, *params)
+        return tiled_call(call, (whole, min(tile, whole)), 1, x, *params)
     return run
 
 

@@ -1,5 +1,5 @@
 """hfcp.patch(tiled_mlp=...): each decoder layer's MLP computed over tiles of the sequence in training forwards, each
-tile recomputed in backward one at a time (TiledCall), so the MLP's intermediates (tokens x intermediate
+tile recomputed in backward one at a time (tiled_call), so the MLP's intermediates (tokens x intermediate
 size x a few tensors, the largest activations of a layer at long lengths) exist for one tile, never for the whole
 local sequence.
 
@@ -217,70 +217,73 @@ def _compare(whole, halves, differs: str) -> str | None:
     return differs if float((whole - halves).abs().max()) > tol * scale else None
 
 
-class TiledCall(torch.autograd.Function):
-    """forward(*args) over tiles of `tile` tokens (dim -2 of every argument): in forward without autograd's record,
-    in backward each tile recomputed and differentiated alone, so one tile's intermediates exist at a time. `tile`
-    may be a pair (coarse, fine): the fine tiles where the first of them draws no random numbers, else the coarse
-    ones, drawn from the same random state (a linear layer with LoRA's dropout, in one tile: the masks its untiled
-    call would draw; a recompute must draw what its forward drew, so backward takes forward's tiles). Each
-    tile's recompute runs under the forward's autocast and from the random state its forward started from (as
-    torch's checkpoint does): a LoRA layer's dropout draws the same masks twice.
+def tiled_call(forward, tile, n_args: int, *inputs) -> torch.Tensor:
+    """forward(*args) over tiles of `tile` tokens (dim -2 of every argument; inputs: the args, then the module's
+    trainable parameters): in forward without autograd's record, in backward each tile recomputed and
+    differentiated alone, so one tile's intermediates exist at a time. `tile` may be a pair (coarse, fine): the fine
+    tiles where the first of them draws no random numbers, else the coarse ones, drawn from the same random state (a
+    linear layer with LoRA's dropout, in one tile: the masks its untiled call would draw; a recompute must draw what
+    its forward drew, so backward takes forward's tiles). Each tile's recompute runs under the forward's autocast
+    and from the random state its forward started from (as torch's checkpoint does): a LoRA layer's dropout draws
+    the same masks twice.
 
-    The module's trainable parameters are inputs too: their gradients, summed over the tiles, are returned as this
-    function's, so each parameter's gradient arrives once per backward, as without tiles (DDP marks it ready once,
-    DeepSpeed ZeRO-3 reduces it once, FSDP2 reduce-scatters it once). ZeRO-3 gathers the weights once for the
-    call and once for its backward, by its hooks on the tiled module (a ZeRO-3 leaf: tile_mlps). A tile whose
-    graph reaches a trainable tensor that is not one of these (a parent's weight, a captured tensor) is refused in
-    backward: its gradient would be lost."""
+    The parameters' gradients, summed over the tiles, are returned as the call's, so each parameter's gradient
+    arrives once per backward, as without tiles (DDP marks it ready once, DeepSpeed ZeRO-3 reduces it once, FSDP2
+    reduce-scatters it once). ZeRO-3 gathers the weights once for the call and once for its backward, by its hooks
+    on the tiled module (a ZeRO-3 leaf: tile_mlps). A tile whose graph reaches a trainable tensor that is not one of
+    these (a parent's weight, a captured tensor) is refused in backward: its gradient would be lost.
+
+    Two autograd nodes: _Keep saves the arguments (and runs the backward), then _Run computes the tiles and hands
+    its output's gradient back to _Keep. So the arguments are saved before anything is computed: under
+    non-reentrant checkpointing, whose recompute of a layer stops at the last tensor the layer saved (torch's early
+    stop), a tiled MLP that ends its layer is not computed again there, where its output would be thrown away (each
+    tile computed twice a step, in forward and in backward, not three times)."""
+    call = _Call(forward, inputs[0].device)
+    marker = _Keep.apply(call, n_args, *inputs)
+    return _Run.apply(call, tile, marker, *inputs[:n_args])
+
+
+class _Call:
+    """One tiled call, shared by its two autograd nodes: the module's forward, the tiles taken, the random state
+    each tile starts from, the forward's autocast, and the output's gradient on its way from _Run to _Keep."""
+
+    def __init__(self, forward, device: torch.device):
+        self.forward, self.name = forward, getattr(forward, "__qualname__", "the tiled module")
+        self.autocast = (device.type, dict(enabled=torch.is_autocast_enabled(device.type),
+                                           dtype=torch.get_autocast_dtype(device.type),
+                                           cache_enabled=torch.is_autocast_cache_enabled()))
+        self.device = device if device.type != "cpu" else None  # (an accelerator: its random state too)
+        self.tile, self.rng, self.grad = None, [], None
+
+
+class _Keep(torch.autograd.Function):
+    """Saves a tiled call's arguments; its backward recomputes and differentiates each tile (see tiled_call). Its
+    output is an empty marker, _Run's input: what orders _Run's backward before this one."""
 
     @staticmethod
-    def forward(ctx, forward, tile, n_args: int, *inputs):
-        args, ctx.params = inputs[:n_args], inputs[n_args:]  # (the live parameters: what the recompute reads)
-        tile, finer = tile if isinstance(tile, tuple) else (tile, tile)  # (see TiledCall's docstring)
-        ctx.forward, ctx.name = forward, getattr(forward, "__qualname__", "the tiled module")
-        device = args[0].device
-        ctx.autocast = (device.type, dict(enabled=torch.is_autocast_enabled(device.type),
-                                          dtype=torch.get_autocast_dtype(device.type),
-                                          cache_enabled=torch.is_autocast_cache_enabled()))
-        ctx.device = device if device.type != "cpu" else None  # (an accelerator: its random state too)
-        ctx.save_for_backward(*args)
-        ctx.rng, out, start = [], None, 0
-        with torch.no_grad():
-            parts, ctx.tile = _tiles(args, finer), finer
-            if finer < tile:  # the finer tiles where their first draws no random numbers, else the coarser
-                _note_rng(ctx.rng, ctx.device)
-                y = forward(*parts[0])
-                if _same_rng(ctx.rng[0], ctx.device):
-                    out = _into(out, y, args, start)
-                    start, parts = y.shape[-2], parts[1:]
-                else:  # (drawn again from the same state in the coarser tiles: as the untiled layer draws them)
-                    _set_rng(ctx.rng.pop(), ctx.device)
-                    parts, ctx.tile = _tiles(args, tile), tile
-            for part in parts:
-                _note_rng(ctx.rng, ctx.device)
-                y = forward(*part)
-                out = _into(out, y, args, start)
-                start += y.shape[-2]
-        return out
+    def forward(ctx, call: _Call, n_args: int, *inputs):
+        ctx.call, ctx.params = call, inputs[n_args:]  # (the live parameters: what the recompute reads)
+        ctx.save_for_backward(*inputs[:n_args])
+        return inputs[0].new_empty(0)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad):
-        args, tile, params = ctx.saved_tensors, ctx.tile, ctx.params
-        needs = ctx.needs_input_grad[3 : 3 + len(args)]
+    def backward(ctx, _marker):
+        call, args, params = ctx.call, ctx.saved_tensors, ctx.params
+        grad, call.grad = call.grad, None
+        needs = ctx.needs_input_grad[2 : 2 + len(args)]
         arg_grads = [torch.empty_like(a) if need else None for a, need in zip(args, needs)]  # (tiles written in)
         param_grads = [None] * len(params)
-        tiles = zip(_tiles(args, tile), grad.split(tile, dim=-2), ctx.rng)
         start = 0
-        for n, (part, g, state) in enumerate(tiles):
+        for n, (part, g, state) in enumerate(zip(_tiles(args, call.tile), grad.split(call.tile, dim=-2), call.rng)):
             xs = [x.detach().requires_grad_(need) for x, need in zip(part, needs)]
-            with forked_rng(ctx.device or torch.device("cpu")):
-                _set_rng(state, ctx.device)
-                with torch.enable_grad(), torch.autocast(ctx.autocast[0], **ctx.autocast[1]):
-                    out = ctx.forward(*xs)
+            with forked_rng(call.device or torch.device("cpu")):
+                _set_rng(state, call.device)
+                with torch.enable_grad(), torch.autocast(call.autocast[0], **call.autocast[1]):
+                    out = call.forward(*xs)
             wrt = [x for x, need in zip(xs, needs) if need] + list(params)
             if n == 0:
-                _check_leaves(out, wrt, ctx.name)
+                _check_leaves(out, wrt, call.name)
             got = iter(torch.autograd.grad(out, wrt, g, allow_unused=True))
             rows = part[0].shape[-2]
             for into, need in zip(arg_grads, needs):
@@ -295,8 +298,41 @@ class TiledCall(torch.autograd.Function):
                 if pg is not None:
                     param_grads[i] = pg if param_grads[i] is None else param_grads[i] + pg
             start += rows
-        ctx.rng = None
-        return (None, None, None, *arg_grads, *param_grads)
+        call.rng = None
+        return (None, None, *arg_grads, *param_grads)
+
+
+class _Run(torch.autograd.Function):
+    """Computes a tiled call's tiles without autograd's record, noting the tiles and their random states on the
+    call; its backward hands the output's gradient to _Keep through the call."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, tile, _marker, *args):
+        ctx.call = call
+        tile, finer = tile if isinstance(tile, tuple) else (tile, tile)  # (see tiled_call's docstring)
+        out, start, forward, device = None, 0, call.forward, call.device
+        parts, call.tile = _tiles(args, finer), finer
+        if finer < tile:  # the finer tiles where their first draws no random numbers, else the coarser
+            _note_rng(call.rng, device)
+            y = forward(*parts[0])
+            if _same_rng(call.rng[0], device):
+                out = _into(out, y, args, start)
+                start, parts = y.shape[-2], parts[1:]
+            else:  # (drawn again from the same state in the coarser tiles: as the untiled layer draws them)
+                _set_rng(call.rng.pop(), device)
+                parts, call.tile = _tiles(args, tile), tile
+        for part in parts:
+            _note_rng(call.rng, device)
+            y = forward(*part)
+            out = _into(out, y, args, start)
+            start += y.shape[-2]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        ctx.call.grad = grad
+        return (None, None, grad.new_empty(0), *[None] * (len(ctx.needs_input_grad) - 3))
 
 
 def _rng(device) -> tuple:
@@ -361,7 +397,7 @@ def _check_leaves(out: torch.Tensor, wrt: list, name: str) -> None:
 def tiled_forward(module: nn.Module, forward, tile: int):
     """`forward` (the module's forward of tensors with one row per token: an MLP's hidden states, or the experts'
     hidden states, indices and weights) run over tiles of `tile` tokens (dim -2 of every argument) in training
-    forwards (train mode) longer than one tile, by TiledCall where autograd records; whole otherwise."""
+    forwards (train mode) longer than one tile, by tiled_call where autograd records; whole otherwise."""
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
@@ -373,13 +409,13 @@ def tiled_forward(module: nn.Module, forward, tile: int):
         fold = run.hfcp_fold(module, forward, args) if run.hfcp_fold is not None and torch.is_grad_enabled() else None
         if fold is not None:  # (args: exactly a norm's output: the norm recomputed in each tile, see norm_fold.py)
             call, x, params = fold
-            return TiledCall.apply(call, tile, 1, x, *params)
+            return tiled_call(call, tile, 1, x, *params)
         if not torch.is_grad_enabled():  # (a training forward without autograd's record, such as reentrant
             # checkpointing's first pass: tile by tile all the same, so that LoRA's dropout draws the masks its
             # recompute under autograd, tiled, draws again)
             return torch.cat([forward(*part) for part in _tiles(args, tile)], dim=-2)
         params = [p for p in module.parameters() if p.requires_grad]
-        return TiledCall.apply(forward, tile, len(args), *args, *params)
+        return tiled_call(forward, tile, len(args), *args, *params)
 
     run.hfcp_tile, run.hfcp_fold = tile, None  # (hfcp_fold: set by norm_fold.fold_norms)
     return run

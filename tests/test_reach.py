@@ -24,8 +24,11 @@ def test_tiled_mlp_exact_at_cp2(pool2, kind, tile, lora, checkpointing):
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["grads"] > 0 and not r["missing"], r
         assert r["calls"], r
         assert max(r["tiles"]) > 1, r
-        for calls, tiles in zip(r["calls"], r["tiles"]):  # each tile in forward and again in backward (and in the
-            assert calls == 2 * tiles if not checkpointing else calls >= 2 * tiles, r  # layer's recompute)
+        for calls, tiles in zip(r["calls"], r["tiles"]):  # each tile in forward and again in backward; under
+            # checkpointing a Llama's MLP ends its layer, so the layer's recompute stops before computing it (the
+            # call's arguments saved first): twice still. Where something after the MLP saves a tensor (qwen2_moe's
+            # shared-expert gate), the recompute computes it too.
+            assert calls == 2 * tiles if not checkpointing or kind == "llama" else calls >= 2 * tiles, r
         assert r["eval_calls"] == [1] * len(r["calls"]), r  # no tiles without gradients
         assert not r["left_after_unpatch"], r  # hfcp.unpatch gives the MLPs their own forwards back
         if kind in ("llama", "qwen3", "lfm2", "llava") and not checkpointing:  # every norm output read by a linear
@@ -104,7 +107,7 @@ def test_tiles_that_draw_nothing_share_one_random_state():
         mlp = get_peft_model(holder, LoraConfig(r=4, lora_dropout=dropout, target_modules=["up_proj"])).base_model \
             .model.mlp
         y = tiled_forward(mlp, mlp.forward, 4)(torch.randn(1, 12, 32, requires_grad=True))
-        assert len(y.grad_fn.rng) == 3 and len({id(state) for state in y.grad_fn.rng}) == distinct, dropout
+        assert len(y.grad_fn.call.rng) == 3 and len({id(state) for state in y.grad_fn.call.rng}) == distinct, dropout
 
 
 def test_an_mlp_that_draws_random_numbers_is_refused():

@@ -34,6 +34,7 @@ RUNS = {
     "reach_phases": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                  "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--phases",
                                  "--census"],
+    "reach_time": lambda tmp: [sys.executable, "scripts/bench_reach_time.py", "--seq-len", "512", "--rounds", "2"],
     "reach_saved": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                 "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--saved"],
     "bench_dpo": lambda tmp: [sys.executable, "scripts/bench_dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
@@ -178,6 +179,18 @@ def test_bench_reach_saved_counts_what_each_layer_keeps(runs):
     assert r.returncode == 0, r.stderr[-3000:]
     kept = {m[0]: float(m[1]) for m in re.findall(r"SAVED (layer \d+)\s+([\d.]+) hidden vectors", r.stdout)}
     assert len(kept) == 8 and all(4.4 < v < 5.0 for k, v in kept.items() if k != "layer 0"), r.stdout
+
+
+def test_bench_reach_time_alternates_the_arms_in_one_run(runs):
+    """bench_reach_time.py: each arm's step times from one run, its mean against the first arm's, the same loss."""
+    r, _ = runs["reach_time"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = re.findall(r"\| (hfcp\w*) \| ([\d., ]+) \| ([\d.]+) \| ([\d.]+)x \| ([\d.]+) \|", r.stdout)
+    assert [row[0] for row in rows] == ["hfcp", "hfcp_tiled"], r.stdout
+    assert all(len(row[1].split(", ")) == 2 for row in rows) and rows[0][3] == "1.000", r.stdout
+    mean = [float(row[2]) for row in rows]
+    assert abs(float(rows[1][3]) - mean[1] / mean[0]) < 0.01 + 0.01 * mean[1] / mean[0], r.stdout
+    assert rows[0][4] == rows[1][4], r.stdout  # (the same model and batch: the same loss, tiles or not)
 
 
 def test_bench_reach_phases_refused_for_alst(monkeypatch):
