@@ -34,7 +34,7 @@ RUNS = {
     "reach_phases": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                  "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--phases",
                                  "--census"],
-    "reach_time": lambda tmp: [sys.executable, "scripts/bench_reach_time.py", "--seq-len", "512", "--rounds", "2"],
+    "reach_time": lambda tmp: [sys.executable, "scripts/bench_reach_time.py", "--seq-len", "1024", "--rounds", "2"],
     "reach_saved": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                 "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--saved"],
     "bench_dpo": lambda tmp: [sys.executable, "scripts/bench_dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
@@ -182,7 +182,8 @@ def test_bench_reach_saved_counts_what_each_layer_keeps(runs):
 
 
 def test_bench_reach_time_alternates_the_arms_in_one_run(runs):
-    """bench_reach_time.py: each arm's step times from one run, its mean against the first arm's, the same loss."""
+    """bench_reach_time.py: each arm's step times from one run, its mean against the first arm's, the same loss (at 1024
+    tokens: 512 a rank, two tiles of hidden_size)."""
     r, _ = runs["reach_time"]
     assert r.returncode == 0, r.stderr[-3000:]
     rows = re.findall(r"\| (hfcp\w*) \| ([\d., ]+) \| ([\d.]+) \| ([\d.]+)x \| ([\d.]+) \|", r.stdout)
