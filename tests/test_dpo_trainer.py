@@ -69,6 +69,16 @@ def test_dpo_lora_reentrant_checkpointing_cp2_equals_one_process(pool1, pool2):
         assert_same(got, ref)
 
 
+def test_dpo_full_weights_reentrant_checkpointing_accumulation_cp2_equals_one_process(pool1, pool2):
+    """Every weight trains, use_reentrant=True, 2 micro-batches per step: DDP with the static_graph=True hfcp once
+    chose failed its internal assert (expect_autograd_hooks_) in the first synced backward."""
+    overrides = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True},
+                 "gradient_accumulation_steps": 2}
+    ref = pool1.run(W.dpo_run, 1, None, "model", overrides)[0]
+    for got in pool2.run(W.dpo_run, 1, 2, "model", overrides):
+        assert_same(got, ref)
+
+
 def test_dpo_precomputed_reference_gradient_accumulation_cp2_equals_one_process(pool1, pool2):
     """Reference log-probs computed before training (one copy per DP group), 2 micro-batches per step."""
     overrides = {"gradient_accumulation_steps": 2}

@@ -33,14 +33,32 @@ def test_cp2_equals_one_process(pool2, reference, strategy):
         assert_same_run(got, reference[1])
 
 
-@pytest.mark.parametrize("enable_on_model", [False, True])
-def test_lora_with_reentrant_checkpointing_cp2_equals_one_process(pool1, pool2, enable_on_model):
-    # DDP (which CP always brings) with find_unused_parameters, the Trainer's default for a PEFT model, marked each
-    # checkpointed LoRA weight ready twice in the first backward; hfcp gives DDP static_graph=True
-    ref = pool1.run(W.lora_checkpointing_run, 4, None, None, enable_on_model)[0]
+CHECKPOINTING_CASES = {  # (weights, reentrant, enabled on the model, TrainingArguments overrides, hfcp.patch options)
+    "lora-reentrant": ("lora", True, False, {}, {}),
+    "lora-reentrant-on-model": ("lora", True, True, {}, {}),
+    "lora-reentrant-accumulation": ("lora", True, False, {"gradient_accumulation_steps": 2}, {}),
+    "lora-accumulation": ("lora", False, False, {"gradient_accumulation_steps": 2}, {}),
+    "full-reentrant": ("full", True, False, {}, {}),
+    "full-reentrant-accumulation-tiled-offload": ("full", True, False, {"gradient_accumulation_steps": 2},
+                                                  {"tiled_mlp": True, "offload_checkpoints": True}),
+    "full-accumulation": ("full", False, False, {"gradient_accumulation_steps": 2}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINTING_CASES))
+def test_checkpointing_cp2_equals_one_process(pool1, pool2, case):
+    """LoRA and full weights, reentrant checkpointing or not, with and without gradient accumulation. Under CP the
+    model is always in DDP: with reentrant checkpointing, find_unused_parameters=True (the Trainer's default for a
+    PEFT model) marked each checkpointed weight ready twice, and the static_graph=True hfcp gave it instead failed
+    DDP's internal assert (expect_autograd_hooks_) under accumulation, LoRA or full weights; hfcp now sets
+    find_unused_parameters=False for reentrant checkpointing."""
+    weights, reentrant, on_model, overrides, options = CHECKPOINTING_CASES[case]
+    run = (4, None, overrides, on_model, weights, reentrant)
+    ref = pool1.run(W.checkpointing_run, *run)[0]
     assert len({h["loss"] for h in ref["history"] if "loss" in h}) > 1, ref  # it trains
-    for got in pool2.run(W.lora_checkpointing_run, 4, None, None, enable_on_model):
-        assert got["static_graph"], got
+    for got in pool2.run(W.checkpointing_run, *run, options):
+        if reentrant:
+            assert got["ddp"] == {"static_graph": False, "find_unused_parameters": False}, got["ddp"]
         assert len(got["history"]) == len(ref["history"])
         for g, r in zip(got["history"], ref["history"]):
             for k in ("loss", "grad_norm"):
@@ -162,7 +180,8 @@ def test_bf16_trainer_matches_the_unpatched_model_within_bf16(pool1, pool2):
     ("neftune", "neftune_noise_alpha=5.0"),
     ("fsdp", "accelerate did not enable FSDP"),
     ("fsdp1", "FSDP version 1"),
-    ("reentrant_without_static_graph", "ddp_static_graph=False and find_unused_parameters=True"),
+    ("reentrant_find_unused_without_static_graph", "find_unused_parameters=True without ddp_static_graph"),
+    ("reentrant_static_graph_accumulation", "ddp_static_graph=True with gradient_accumulation_steps=2"),
 ])
 def test_unsupported_settings_are_refused(pool2, kind, message):
     for msg in pool2.run(W.refused, kind):

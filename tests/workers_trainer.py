@@ -113,26 +113,31 @@ def _logits(predictions) -> torch.Tensor:
     return torch.as_tensor(predictions[0] if isinstance(predictions, tuple) else predictions)
 
 
-def lora_checkpointing_run(per_device: int, cp_size=None, overrides=None, enable_on_model=False):
-    """4 LoRA steps with reentrant gradient checkpointing (asked for in the arguments, or enabled on the model
-    before the trainer is made): the history. Under CP the trainer wraps the model in DDP even at dp 1."""
+def checkpointing_run(per_device: int, cp_size=None, overrides=None, enable_on_model=False, weights="lora",
+                      reentrant=True, options=None):
+    """4 steps with gradient checkpointing (asked for in the arguments, or enabled on the model before the trainer
+    is made), LoRA on q/v or full weights (every parameter trains): the history and the DDP options the trainer
+    wraps the model with (under CP the trainer wraps it in DDP even at dp 1). options: more of hfcp.patch's."""
     from peft import LoraConfig, get_peft_model
 
     from hfcp.integrations import HfcpTrainer
 
     _reset_accelerate()
-    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    checkpointing = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+    model = tiny_model("llama")
+    if weights == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    checkpointing = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
     if enable_on_model:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         model.enable_input_require_grads()
         checkpointing = {}
     with tempfile.TemporaryDirectory() as out:
         trainer = HfcpTrainer(model=model, args=_args(out, per_device, **checkpointing, **(overrides or {})),
-                              train_dataset=Rows(24), cp_size=cp_size)
+                              train_dataset=Rows(24), cp_size=cp_size, **(options or {}))
         trainer.train()
-    return {"history": _history(trainer), "static_graph": trainer.accelerator.ddp_handler is not None
-            and trainer.accelerator.ddp_handler.static_graph}
+    handler = trainer.accelerator.ddp_handler
+    return {"history": _history(trainer), "ddp": None if handler is None else
+            {"static_graph": handler.static_graph, "find_unused_parameters": handler.find_unused_parameters}}
 
 
 def resume_run(world_tag: str, cp_size=None):
@@ -258,8 +263,10 @@ def refused(kind: str):
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, fsdp=True, fsdp_config={"version": 2}))
             elif kind == "dispatch_batches":
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, accelerator_config={"dispatch_batches": True}))
-            elif kind == "reentrant_without_static_graph":
-                lora_checkpointing_run(4, None, {"ddp_static_graph": False})
+            elif kind == "reentrant_find_unused_without_static_graph":
+                checkpointing_run(4, None, {"ddp_static_graph": False, "ddp_find_unused_parameters": True})
+            elif kind == "reentrant_static_graph_accumulation":
+                checkpointing_run(2, None, {"ddp_static_graph": True, "gradient_accumulation_steps": 2}, weights="full")
         except ValueError as e:
             return str(e)
     return None

@@ -24,7 +24,7 @@ from ..distributed.mesh import consecutive_block
 from ..api import patch
 from ..layout.report import step_imbalance
 from ..state import cp_state, find_pretrained
-from .ddp_options import static_graph_for_reentrant_checkpointing
+from .ddp_options import ddp_options_for_reentrant_checkpointing
 from .evaluation import CountedIterable, EvaluationMixin
 from .parallelism import UNSET, accelerate_view, describe, handed_to_accelerate, layout_problems, requested_layout
 
@@ -162,7 +162,7 @@ class HfcpTrainerMixin(EvaluationMixin):
         model = getattr(self, "model", None)
         if model is not None and cp_state(model) is not None:  # re-created by train(): keep the DP sharding
             self._install_dp_data_loader()
-        static_graph_for_reentrant_checkpointing(self)
+        ddp_options_for_reentrant_checkpointing(self)
 
     def _install_dp_data_loader(self) -> None:
         self.accelerator.prepare_data_loader = self._prepare_dp_data_loader
@@ -235,7 +235,7 @@ class HfcpTrainerMixin(EvaluationMixin):
     # ---- logging: the attention work imbalance of the steps, with the loss ---------------------------------------
     def train(self, *args, **kwargs):
         self._hfcp_imbalances = []  # (as the Trainer's running loss, nothing carries over from an earlier train())
-        static_graph_for_reentrant_checkpointing(self)  # (checkpointing enabled on the model after __init__)
+        ddp_options_for_reentrant_checkpointing(self)  # (checkpointing enabled on the model after __init__)
         return super().train(*args, **kwargs)
 
     def training_step(self, *args, **kwargs):
