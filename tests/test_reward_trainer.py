@@ -47,9 +47,9 @@ def test_reward_cp4_equals_one_process(pool4, reward_reference):
 
 
 def test_reward_streamed_eval_dp2_cp2_equals_one_process(pool1, pool4):
-    """An evaluation set without a length (a datasets.IterableDataset): one process weighs its last, partial step as
-    a full batch, and so does the gather here (the eval loss is the whole step's on every rank), also without
-    average_tokens_across_devices (which would otherwise mark it so)."""
+    """An evaluation set without a length (a datasets.IterableDataset): one process (accelerate's dispatcher) weighs
+    its last, partial step by the rows of the collated batch, two a pair (here as a full batch), and so does the
+    gather here (the eval loss is the whole step's on every rank), also without average_tokens_across_devices."""
     case = (None, {"average_tokens_across_devices": False}, False, False, False, True)
     ref = pool1.run(W.reward_run, 4, *case)[0]
     for got in pool4.run(W.reward_run, 2, 2, *case[1:]):

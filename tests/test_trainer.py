@@ -248,20 +248,27 @@ def eval_reference(pool1):
     return {kind: pool1.run(W.iterable_eval_run, 4, None, kind, None, False)[0] for kind in W.EVAL_DATA}
 
 
+def test_one_process_evaluates_as_the_stock_trainer(pool1, eval_reference):
+    """HfcpTrainer in one process (no CP) is the reference of every test here: its eval and prediction losses are
+    the stock Trainer's. It once weighted an unsized stream's last batch as a full one (its data loader did not
+    count that batch, as accelerate's dispatcher does for one process): test_loss 4.153608 for 4.159759."""
+    stock = pool1.run(W.iterable_eval_run, 4, None, "iterable", None, False, True)[0]
+    assert abs(stock["test_loss"] - eval_reference["map"]["test_loss"]) <= 2e-6 * stock["test_loss"]
+    for kind, ref in eval_reference.items():
+        assert len(set(ref["targets"])) > 1, ref["targets"]  # a last batch weighted otherwise moves the mean
+        for k in ("eval_loss", "test_loss", "small_loss"):
+            assert abs(ref[k] - stock[k]) <= 2e-6 * stock[k], (kind, k, ref[k], stock[k])
+
+
 @pytest.mark.parametrize("kind", list(W.EVAL_DATA))
 def test_eval_and_predict_dp2_cp2_give_each_row_once(pool4, eval_reference, kind):
     """A dataset whose last batch does not fill both DP groups: accelerate repeats samples to fill it (of an
     IterableDataset it does not know how many); predictions have each row once and the losses are one process's.
     The rows have different numbers of targets, so a repeated row, or a last batch weighted by other than its own
-    rows, moves the mean. One process weights an IterableDataset's last batch as a full one when the dataset has no
-    length, and by its own rows when it has one (as map-style data): a sized one at dp 2 x cp 2 once weighted it
-    as a full batch (test_loss 4.153608 for 4.159759)."""
+    rows, moves the mean. One process weights the last batch by its own rows, map-style or iterable, with or without
+    a length: a stream without one at dp 2 x cp 2 once weighted it as a full batch."""
     ref = eval_reference[kind]
-    assert len(set(ref["targets"])) > 1, ref["targets"]
     assert ref["predictions"].shape == (5, W.L, 64) and ref["small_predictions"].shape == (3, W.L, 64)
-    if kind == "sized":  # one process: the rows' own weights (as map-style data), which a full last batch moves
-        assert abs(ref["test_loss"] - eval_reference["map"]["test_loss"]) <= 2e-6 * ref["test_loss"]
-        assert abs(ref["test_loss"] - eval_reference["iterable"]["test_loss"]) > 1e-4 * ref["test_loss"]
     for got in pool4.run(W.iterable_eval_run, 2, 2, kind, None, kind != "map"):
         for k in ("eval_loss", "test_loss", "small_loss"):
             assert abs(got[k] - ref[k]) <= 2e-6 * ref[k], (k, got[k], ref[k])
@@ -270,6 +277,14 @@ def test_eval_and_predict_dp2_cp2_give_each_row_once(pool4, eval_reference, kind
         assert torch.equal(got["label_ids"], ref["label_ids"])
         if kind != "map":
             assert got["refused"] and "dataloader_num_workers=2" in got["refused"], got["refused"]
+
+
+def test_eval_of_an_unsized_stream_cp2_equals_one_process(pool2, eval_reference):
+    """dp 1 x cp 2: nothing is repeated, and the unsized stream's last batch weighs its own rows, as one process."""
+    ref = eval_reference["iterable"]
+    for got in pool2.run(W.iterable_eval_run, 4, 2, "iterable", None, False):
+        for k in ("eval_loss", "test_loss", "small_loss"):
+            assert abs(got[k] - ref[k]) <= 2e-6 * ref[k], (k, got[k], ref[k])
 
 
 def test_a_stream_of_as_many_shards_as_dp_groups_is_refused_not_hung(pool4):

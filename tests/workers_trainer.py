@@ -45,8 +45,7 @@ class IterableRows(torch.utils.data.IterableDataset):
 
 
 class SizedIterable(torch.utils.data.IterableDataset):
-    """An IterableDataset with a length (as many streaming wrappers have): one process then truncates its gathered
-    last batch to it, so that batch weighs its own rows in the eval loss (without one: as a full batch)."""
+    """An IterableDataset with a length (as many streaming wrappers have)."""
 
     def __init__(self, rows):
         self.rows = list(rows)
@@ -463,17 +462,20 @@ def conflicting_options():
     return None
 
 
-def iterable_eval_run(per_device: int, cp_size=None, kind="iterable", overrides=None, workers=True):
+def iterable_eval_run(per_device: int, cp_size=None, kind="iterable", overrides=None, workers=True, stock=False):
     """evaluate and predict (untrained model) on datasets (EVAL_DATA[kind]) whose last batch does not fill every DP
     group, their rows with different numbers of targets; then (workers) predict with 2 DataLoader workers, refused
-    for an IterableDataset over DP groups: the error."""
+    for an IterableDataset over DP groups: the error. stock: transformers' Trainer (one process), not HfcpTrainer."""
+    from transformers import Trainer
+
     from hfcp.integrations import HfcpTrainer
 
     _reset_accelerate()
     data = EVAL_DATA[kind]
     with tempfile.TemporaryDirectory() as out:
-        trainer = HfcpTrainer(model=tiny_model("llama"), args=_args(out, per_device, **(overrides or {})),
-                              cp_size=cp_size)
+        args = _args(out, per_device, **(overrides or {}))
+        trainer = Trainer(model=tiny_model("llama"), args=args) if stock else \
+            HfcpTrainer(model=tiny_model("llama"), args=args, cp_size=cp_size)
         metrics = trainer.evaluate(data(10, 1))
         pred = trainer.predict(data(5, 2))
         small = trainer.predict(data(3, 3))  # fewer rows than one batch of all DP groups

@@ -9,7 +9,7 @@ from __future__ import annotations
 import multiprocessing
 
 import torch
-from accelerate.utils import recursively_apply
+from accelerate.utils import find_batch_size, recursively_apply
 
 from ..distributed.data import data_parallel_rank_and_size
 from ..hooks.causal_lm import DEFAULT_LOSS_CHUNK
@@ -36,16 +36,6 @@ class CountedIterable(torch.utils.data.IterableDataset):
     def __len__(self):
         return len(self.dataset)  # TypeError when the dataset has no length, as before
 
-    @property
-    def sized(self) -> bool:
-        """Whether the dataset has a length: one process then truncates the gathered last batch to it, so that
-        batch weighs its own samples in the eval loss (without one, it weighs as a full batch)."""
-        try:
-            len(self.dataset)
-        except Exception:  # noqa: BLE001 - any error: no length, as accelerate's DataLoaderShard.begin decides
-            return False
-        return True
-
     def __getattr__(self, name):  # set_epoch, generator, ...: the dataset's, as IterableDatasetShard looks for them
         if name in ("dataset", "count") or name.startswith("__"):
             raise AttributeError(name)
@@ -61,6 +51,7 @@ class EvaluationMixin:
         truncated to the samples of the dataset, as they are for one process."""
         if cp_state(model) is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        self._hfcp_last_rows = find_batch_size(inputs)  # (what one process counts of a stream's last batch)
         inputs = self._without_repeated_targets(inputs)
 
         # no logits wanted: the chunked loss, as in training, so evaluation never needs more memory than a step
@@ -71,11 +62,9 @@ class EvaluationMixin:
             out = model(**kwargs, **options)
             return out if prediction_loss_only else gather_outputs(out, model)
 
-        self._hfcp_step_loss_next = False
         loss, logits, labels = super().prediction_step(call, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if loss is not None and self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs:
             loss = self.accelerator.reduce(loss, "sum") / self.args.world_size  # dp * S_d / N -> sum_d S_d / N
-            self._hfcp_step_loss_next = True  # the evaluation loop's next gather is of this loss
         return loss, logits, labels
 
     def _counted_shard(self):
@@ -88,10 +77,27 @@ class EvaluationMixin:
         """At the end of a data loader: how many samples of its last batch (of all DP groups) are the dataset's
         own, the others repeat samples to give every DP group a full batch; 0 or -1: none is repeated."""
         shard = self._counted_shard()
-        if shard is None:  # map-style data: accelerate knows it
+        if shard is None:  # map-style data, or one DP group: accelerate knows it (-1: a stream, nothing repeated)
             return self.accelerator.gradient_state.remainder
         n = shard.dataset.count.value
         return n % (shard.batch_size * shard.num_processes) if n >= 0 else -1
+
+    def _kept_of_last_gather(self) -> int:
+        """At the end of a data loader: how many of the last gathered entries (the step's loss repeated per sample,
+        the outputs' rows) one process keeps; 0 or -1: all. One process counts a map-style dataset's last batch
+        in samples, and an IterableDataset's (through accelerate's dispatcher, with a length or not) in the rows
+        of the collated batch: a collator that makes several rows a sample (a preference pair) counts them all."""
+        shard = self._counted_shard()
+        rows = getattr(self, "_hfcp_last_rows", None)
+        if shard is not None:  # an IterableDataset over DP groups: its samples, in one process's rows
+            remainder = self._remainder()
+            return remainder * (rows // shard.batch_size) if remainder > 0 and rows else remainder
+        gs = self.accelerator.gradient_state
+        data = getattr(gs.active_dataloader, "dataset", None) if gs.in_dataloader else None
+        one_group = data_parallel_rank_and_size(self.model)[1] == 1
+        if one_group and isinstance(data, torch.utils.data.IterableDataset) and rows:  # its last batch, whole
+            return rows
+        return gs.remainder
 
     def _without_repeated_targets(self, inputs):
         """In the last batch, accelerate repeats samples so that every DP group gets a full batch; they are
@@ -137,16 +143,11 @@ class EvaluationMixin:
             return t.reshape(world, -1, *t.shape[1:])[leaders].reshape(-1, *t.shape[1:])
 
         data = recursively_apply(first_of_each_group, acc.gather(data))
-        step_loss, self._hfcp_step_loss_next = self._hfcp_step_loss_next, False
         if not acc.gradient_state.end_of_dataloader:
             return data
-        shard = self._counted_shard()
-        if step_loss and shard is not None and not shard.dataset.sized:
-            # the loss of the whole last step (repeated samples left out), of an iterable dataset without a length:
-            # one process does not know how many samples its last batch holds and weights that loss as a full
-            # batch, so do not truncate it (with a length, or map-style data, one process truncates it as below)
-            return data
-        remainder = self._remainder()
+        # one process truncates the gathered last batch to its own samples, with a length or without one
+        # (accelerate's dispatcher counts a stream's last batch), so that batch weighs its own samples in the loss
+        remainder = self._kept_of_last_gather()
         if remainder > 0:  # drop the samples repeated to even batches
             data = recursively_apply(lambda t: t[:remainder], data)
         return data

@@ -56,8 +56,6 @@ class HfcpRewardTrainer(HfcpTrainerMixin, RewardTrainer):
         chosen, rejected = torch.chunk(outputs.logits.squeeze(-1), chunks=2)  # (B,) each, whole on every rank
         kept = self._pairs_of_the_dataset(chosen.shape[0]) if mode == "eval" else None
         loss = self._pairwise_loss(chosen, rejected, margin, kept)
-        if kept is not None:  # evaluation's gather: this is the loss of the whole step (all DP groups) on every rank
-            self._hfcp_step_loss_next = True
         self._log_reward_metrics(mode, inputs, chosen.detach(), rejected.detach(), kept)
         return (loss, outputs) if return_outputs else loss
 

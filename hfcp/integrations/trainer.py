@@ -52,7 +52,6 @@ class HfcpTrainerMixin(EvaluationMixin):
         an option given that differs from them is refused, as hfcp.patch does.
         """
         self._hfcp_refuse_unsupported()
-        self._hfcp_step_loss_next = False  # set by prediction_step for the gather of its loss that follows
         self._hfcp_imbalances = []  # hfcp.step_imbalance of each training step since the last logged loss
         given = {k: v for k, v in patch_options.items() if v is not UNSET}
         layout = self._hfcp_layout
@@ -172,6 +171,8 @@ class HfcpTrainerMixin(EvaluationMixin):
         acc = self.accelerator
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return data_loader
+        if cp_state(self.model) is None:  # no CP (one process, cp_size 1): the DP groups are the processes
+            return type(acc).prepare_data_loader(acc, data_loader, device_placement, slice_fn_for_dispatch)
         dp_rank, dp_size = data_parallel_rank_and_size(self.model)
         shards = getattr(data_loader.dataset, "n_shards", None)
         if dp_size > 1 and isinstance(shards, int) and shards >= dp_size:  # decided alike on every rank
