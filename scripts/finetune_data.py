@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -52,14 +53,23 @@ def key_span(tok, text: str, key: str) -> tuple[list[int], int, int]:
     return ids, start, end
 
 
-def embedded_corpus(n_docs: int, max_chars: int, seed: int) -> list[str]:
-    """Key documents of random lengths up to max_chars: several per packed row, so each step has several keys
-    to recall, many of them across shard boundaries."""
-    rng = random.Random(seed)
-    return [key_document(rng, rng.randint(max(64, max_chars // 8), max_chars))[0] for _ in range(n_docs)]
-
-
+LONG_SHARE = 0.9  # of --seq-len: the longest documents of the embedded corpus, and the held-out ones
+LONG_MIN_CHARS = 64  # the shortest long document
 SHORT = (38, 70)  # characters of the short documents (the shortest key document has 38): ~38 keys a 2048 row
+# the shortest row the text task fills: a long document (0.9 x seq_len characters, at least LONG_MIN_CHARS) whole,
+# and a short one (up to 70 characters, BOS and EOS) unbroken
+MIN_SEQ_LEN = max(math.ceil(LONG_MIN_CHARS / LONG_SHARE), SHORT[1] + 2)
+
+
+def embedded_corpus(n_docs: int, max_chars: int, seed: int) -> list[str]:
+    """Key documents of random lengths up to max_chars (at least LONG_MIN_CHARS): several per packed row, so each
+    step has several keys to recall, many of them across shard boundaries."""
+    if max_chars < LONG_MIN_CHARS:
+        raise ValueError(f"max_chars={max_chars}: the embedded corpus's documents have at least {LONG_MIN_CHARS} "
+                         f"characters (a row of at least {MIN_SEQ_LEN} tokens)")
+    rng = random.Random(seed)
+    return [key_document(rng, rng.randint(max(LONG_MIN_CHARS, max_chars // 8), max_chars))[0] for _ in range(n_docs)]
+
 
 
 def curriculum_rows(tok, seq_len: int, short_rows: int, long_rows: int, seed: int) -> list:
@@ -76,7 +86,8 @@ def curriculum_rows(tok, seq_len: int, short_rows: int, long_rows: int, seed: in
     rows = rows[:short_rows]
     long, n_docs = [], 2000
     while len(long) < long_rows:
-        long = pack([encode_document(tok, t) for t in embedded_corpus(n_docs, int(seq_len * 0.9), seed)], seq_len)
+        long = pack([encode_document(tok, t) for t in embedded_corpus(n_docs, int(seq_len * LONG_SHARE), seed)],
+                    seq_len)
         n_docs *= 2
     return rows + long
 

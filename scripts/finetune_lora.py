@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from finetune_data import (  # noqa: E402
-    ByteTokenizer, curriculum_rows, encode_document, key_document, key_span, load_texts, pack,
+    LONG_SHARE, MIN_SEQ_LEN, ByteTokenizer, curriculum_rows, encode_document, key_document, key_span, load_texts, pack,
 )
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_llama.json"
@@ -216,10 +216,11 @@ def validate(args, world: int) -> list[str] | None:
              f"positive")
     if args.task == "video":
         return None
-    least = 128 if args.task in ("dpo", "grpo") else 2
+    least, why = (128, "a key document, its question and answer") if args.task in ("dpo", "grpo") else (
+        MIN_SEQ_LEN, "a row that holds one of the embedded corpus's long documents, and a held-out key document "
+                     "for the long-range accuracy")
     if args.seq_len < least:
-        fail(f"--seq-len {args.seq_len} must be at least {least}"
-             + (" (a key document, its question and answer)" if least > 2 else ""))
+        fail(f"--seq-len {args.seq_len} must be at least {least} ({why})")
     config = json.loads(((Path(args.model) / "config.json") if args.model else CONFIG).read_text())
     limit = config.get("max_position_embeddings")
     if limit is not None and args.seq_len > limit:
@@ -289,7 +290,7 @@ def long_range_accuracy(model, tok, args, device) -> float:
     correct = total = 0
     model.eval()
     for _ in range(args.eval_docs):
-        text, key = key_document(rng, int(args.seq_len * 0.9))
+        text, key = key_document(rng, int(args.seq_len * LONG_SHARE))
         ids, start, end = key_span(tok, text, key)
         ids = torch.tensor([ids[: args.seq_len]], device=device)
         end = min(end, ids.shape[1])

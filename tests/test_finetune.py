@@ -133,6 +133,8 @@ BAD_INPUTS = {
     "dpo_beta": (["--task", "dpo", "--beta", "0"], {}, "--beta 0.0 must be positive and --rpo-alpha 1.0 at least 0"),
     "dpo_option_elsewhere": (["--rpo-alpha", "1"], {}, "--rpo-alpha: options of --task dpo (the task is text)"),
     "dpo_seq_len": (["--task", "dpo", "--seq-len", "64"], {}, "--seq-len 64 must be at least 128 (a key document"),
+    "text_seq_len": (["--seq-len", "64"], {}, "--seq-len 64 must be at least 72 (a row that holds one of the embedded"),
+    "pp_seq_len": (["--pp", "2", "--seq-len", "64"], {}, "--seq-len 64 must be at least 72"),
     "grpo_dpo_option": (["--task", "grpo", "--beta", "0.1"], {}, "--beta: options of --task dpo (the task is grpo)"),
     "grpo_option_elsewhere": (["--task", "dpo", "--sft-steps", "5"], {},
                               "--sft-steps: options of --task grpo (the task is dpo)"),
