@@ -90,7 +90,12 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
                          "call hfcp.unpatch(model) before patching with other settings")
     mesh = build_mesh(settings.cp_size, plan.process_group, settings.timeout, plan.tp_ranks)
     if mesh is None:
-        log.info("hfcp: one process or cp_size=1: %s runs unchanged", type(inner).__name__)
+        unused = [f"{k}={v!r}" for k, v in (("tiled_mlp", tiled_mlp), ("offload_checkpoints", offload_checkpoints)) if v]
+        if unused:
+            log.warning("hfcp: one process or cp_size=1: %s runs unchanged, without %s (options of a CP model; "
+                        "hfcp.pipeline applies them at cp_size=1 too)", type(inner).__name__, ", ".join(unused))
+        else:
+            log.info("hfcp: one process or cp_size=1: %s runs unchanged", type(inner).__name__)
         return model
     state = CPState(settings, mesh, plan.patcher, plan.head, attn_owner=plan.owner,
                     original_attn=plan.owner.config._attn_implementation, loss_chunk=plan.loss_chunk,
@@ -100,16 +105,23 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     register_with_transformers()
     attach_attention(state, inner, plan)
     ATTACH[plan.kind](state, inner, plan)
-    if mlps:
-        state.undo.append(tile_mlps(mlps, tile))
-        state.undo.append(fold_norms(tile_layers(plan.owner), mlps, plan.owner.config.get_text_config().hidden_size,
-                                     tile))
-    if offload_checkpoints:
-        layers = decoder_layers(plan.owner, plan.owner.config.get_text_config().num_hidden_layers) or []
-        state.undo.append(offload_to_host(inner, layers))
+    state.undo.extend(apply_memory_options(inner, plan.owner, tile, mlps, offload_checkpoints))
     log.info("hfcp: %s patched: strategy=%s cp=%d (dp=%d), %d attention modules",
              type(inner).__name__, strategy, mesh.cp_size, mesh.dp_size, len(plan.modules))
     return model
+
+
+def apply_memory_options(inner, owner, tile: int | None, mlps: list, offload: bool) -> list:
+    """tiled_mlp (its tiles on `mlps`, from mlps_to_tile, and the norms recomputed) and offload_checkpoints on a
+    model whose decoder layers `owner` holds; returns their undos, in the order applied."""
+    undo = []
+    if tile and mlps:
+        undo.append(tile_mlps(mlps, tile))
+        undo.append(fold_norms(tile_layers(owner), mlps, owner.config.get_text_config().hidden_size, tile))
+    if offload:
+        layers = decoder_layers(owner, owner.config.get_text_config().num_hidden_layers) or []
+        undo.append(offload_to_host(inner, layers))
+    return undo
 
 
 def unpatch(model):

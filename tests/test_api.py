@@ -182,3 +182,16 @@ def test_the_step_mask_stand_in_refuses_a_computed_mask_under_torch_compile_too(
         assert copied.hfcp_step == "step"  # a copy still stands for the step's masks
     finally:
         torch._dynamo.reset()
+
+
+def test_memory_options_without_cp_are_named_not_silent(caplog):
+    """One process (or cp_size 1): hfcp.patch leaves the model unchanged, and says so by name when it was asked for
+    tiled_mlp / offload_checkpoints (before, they were dropped without a word)."""
+    import logging
+
+    model = tiny_model("llama")
+    with caplog.at_level(logging.INFO, logger="hfcp"):
+        hfcp.patch(model, tiled_mlp=True, offload_checkpoints=True)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "hfcp"]
+    assert warned and "without tiled_mlp=True, offload_checkpoints=True" in warned[0].getMessage(), caplog.text
+    assert all("forward" not in m.__dict__ for m in model.modules())  # unchanged

@@ -26,6 +26,17 @@ def test_pipeline_equals_one_process(pool4, pp, cp, schedule, micro, family, opt
                                                                           ("lora", "checkpointing", "packed", "tied")]))
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+def test_pipeline_tiled_mlp_and_offload_apply_at_every_cp_size(pool4, cp):
+    """tiled_mlp and offload_checkpoints through hfcp.pipeline: at cp_size 1 they were passed to no hfcp.patch and
+    silently did nothing; now every stage's MLPs run in tiles and its checkpoints are offloaded, exact as before."""
+    memory = {"tiled_mlp": 8, "offload_checkpoints": True}
+    runs = pool4.run(W.compare, 2, cp, "1F1B", 2, "llama", True, True, False, False, "ring", memory)
+    assert_exact(runs)
+    for r in runs:
+        assert r["tiled_calls"] > 0 and r["offloaded"], r
+
+
 @pytest.mark.parametrize("kind, message", [
     ("world", "pp_size=3 x cp_size=1 must divide the world size 2"),
     ("schedule", "schedule='zigzag' is not one of ['GPipe', '1F1B']"),

@@ -55,6 +55,13 @@ def batch(seed: int, packed: bool = False) -> dict:
     return out
 
 
+def _counted(forward, calls: list):
+    def run(*args, **kwargs):
+        calls[0] += 1
+        return forward(*args, **kwargs)
+    return run
+
+
 def _prepare(family, lora, checkpointing, tied):
     model = tiny(family, tied=tied)
     if lora:
@@ -72,15 +79,23 @@ def _prepare(family, lora, checkpointing, tied):
 
 
 def compare(pp: int, cp: int, schedule: str, microbatches: int = 2, family: str = "llama", lora: bool = False,
-            checkpointing: bool | str = False, packed: bool = False, tied: bool = False, strategy: str = "ring") -> dict:
-    """checkpointing: True (non-reentrant) or "reentrant"."""
+            checkpointing: bool | str = False, packed: bool = False, tied: bool = False, strategy: str = "ring",
+            memory: dict | None = None) -> dict:
+    """checkpointing: True (non-reentrant) or "reentrant". memory: tiled_mlp / offload_checkpoints for the pipeline;
+    then also how many of this stage's MLPs ran in tiles ("tiled_calls": their tiled forwards' calls) and whether
+    the checkpoints were offloaded ("offloaded": the model's forward the offloading one)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // (pp * cp)
     d = (rank // cp) % dp
     ref = _prepare(family, lora, checkpointing, tied)
     model = _prepare(family, lora, checkpointing, tied)
     runner = hfcp.pipeline(model, pp_size=pp, cp_size=cp, schedule=schedule, n_microbatches=microbatches,
-                           strategy=strategy, timeout=60)
+                           strategy=strategy, timeout=60, **(memory or {}))
+    inner = hfcp.state.find_pretrained(model)
+    tiled_calls = [0]
+    for layer in inner.model.layers:
+        if "forward" in layer.mlp.__dict__:  # the tiled forward, bound on the instance
+            layer.mlp.forward = _counted(layer.mlp.forward, tiled_calls)
     assert hfcp.data_parallel_rank_and_size(model) == (d, dp)  # the data groups to shard a dataset by
     ref_params = dict(ref.named_parameters())
     opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
@@ -114,7 +129,7 @@ def compare(pp: int, cp: int, schedule: str, microbatches: int = 2, family: str 
     with torch.no_grad():
         eval_err = abs(runner.eval_step(**eval_b).item() - ref(**eval_b, use_cache=False).loss.item())
     return {"loss_err": loss_err, "grad_err": grad_err, "norm_err": norm_err, "param_err": param_err,
-            "eval_err": eval_err,
+            "eval_err": eval_err, "tiled_calls": tiled_calls[0], "offloaded": "forward" in inner.__dict__,
             "missing": missing, "params": len(dict(runner.named_parameters())), "grads": len(grads)}
 
 

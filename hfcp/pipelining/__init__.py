@@ -8,11 +8,12 @@ import logging
 import torch.distributed as dist
 from torch import nn
 
-from ..api import patch
+from ..api import apply_memory_options, patch
 from ..families.introspect import decoder_layers, forward_source
 from ..families.registry import UnsupportedModelError
 from ..families.resolve import patcher_for, plan_patch, router_aux_for
 from ..state import Settings, cp_state, find_pretrained
+from ..tiling import mlps_to_tile, tile_tokens
 from .runner import PipelineRunner
 from .schedule import check_schedule
 from .stage import bind_stage, free_other_parameters, layer_ranges, stage_parameters
@@ -36,13 +37,14 @@ def pipeline(model, pp_size: int, cp_size: int = 1, schedule: str = "1F1B", n_mi
         cp_size: ranks per CP group inside a stage (1: no CP).
         schedule: "GPipe" or "1F1B".
         n_microbatches: microbatches per step; they must divide the rows of each batch.
-        strategy, patch_options: hfcp.patch's (timeout, loss_chunk, check_inputs, balance).
+        strategy, patch_options: hfcp.patch's (timeout, loss_chunk, check_inputs, balance, tiled_mlp,
+            offload_checkpoints); tiled_mlp and offload_checkpoints apply at cp_size 1 too.
     Returns:
         A PipelineRunner: step(**batch) / eval_step(**batch) return the batch's one-process loss on every rank;
         named_parameters() / parameters() are this stage's; zero_grad(), train(), eval().
     Raises:
         ValueError: no process group, pp_size * cp_size not dividing the world, a bad pp_size, schedule or
-            n_microbatches, more stages than layers, reentrant gradient checkpointing; and what hfcp.patch raises.
+            n_microbatches, more stages than layers; and what hfcp.patch raises.
         UnsupportedModelError: a model that is not a causal LM of decoder layers returning their hidden states, a
             MoE router aux loss, recurrent mixers, a vision-language model.
     """
@@ -50,11 +52,14 @@ def pipeline(model, pp_size: int, cp_size: int = 1, schedule: str = "1F1B", n_mi
     inner = find_pretrained(model)
     layers = _check_model(model, inner, pp_size, cp_size, strategy)
     _check_patched(inner, cp_size, dict(strategy=strategy, **patch_options))
+    memory = _memory_options_without_cp(inner, strategy, patch_options) if cp_size == 1 else None
     dp = world // (pp_size * cp_size)
     stage = rank // (dp * cp_size)
     groups = _groups(pp_size, dp, cp_size, rank, inner)
     if cp_size > 1 and cp_state(inner) is None:
         patch(model, cp_size=cp_size, strategy=strategy, **patch_options)
+    elif memory is not None:
+        memory()
     own = layer_ranges(len(layers), pp_size)[stage]
     first, last = stage == 0, stage == pp_size - 1
     mine = stage_parameters(model, inner, layers, own, first, last)
@@ -135,6 +140,18 @@ def _check_parameters_around_layers(body, holder, embeddings, source: str, name:
                 f"hfcp.pipeline: {name}'s forward calls {child_name} ({type(child).__name__}, with parameters) "
                 "before its decoder layers, or not after them: a pipeline stage holds the input embeddings (the "
                 "first) or what runs after the layers (the last), so this model is not supported by hfcp.pipeline")
+
+
+def _memory_options_without_cp(inner, strategy: str, patch_options: dict):
+    """At cp_size 1 hfcp.patch leaves the model unchanged: tiled_mlp and offload_checkpoints, checked here (every
+    refusal before any collective), are applied by the callable returned (None: neither asked for)."""
+    settings = Settings(cp_size=1, strategy=strategy, **patch_options)
+    if not settings.tiled_mlp and not settings.offload_checkpoints:
+        return None
+    owner = plan_patch(inner, patcher_for(inner), settings).owner
+    tile = tile_tokens(settings.tiled_mlp, owner.config)
+    mlps = mlps_to_tile(owner) if tile else []
+    return lambda: apply_memory_options(inner, owner, tile, mlps, settings.offload_checkpoints)
 
 
 def _check_patched(inner, cp_size: int, options: dict) -> None:
