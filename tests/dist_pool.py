@@ -42,6 +42,11 @@ def _worker(rank, world, port, tasks, results):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     while True:
         item = tasks.get()
+        # the previous task's groups go only now: the parent sends a task once every rank has returned the previous
+        # one, so no peer is still inside a new_group of it. Destroyed at once, a rank whose new_group had returned
+        # (gloo's connecting side returns once it has written to the peer) closed the connection under a peer that
+        # had not yet accepted it, on a loaded machine: "Gloo connectFullMesh failed ... Connection closed by peer"
+        _release_groups(dist)
         if item is None:
             break
         fn, args = item
@@ -49,7 +54,6 @@ def _worker(rank, world, port, tasks, results):
             results.put((rank, True, fn(*args)))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, traceback.format_exc()))
-        _release_groups(dist)
     dist.destroy_process_group()
 
 
@@ -71,7 +75,8 @@ class DistPool:
             p.start()
 
     def run(self, fn, *args, timeout: float = 300.0, expect=None):
-        """`expect`: the ranks whose results to wait for (default all; a test that kills a rank waits for the rest)."""
+        """`expect`: the ranks whose results to wait for (default all; a test that kills a rank waits for the rest, then
+        closes the pool: a rank not waited for may still be in the task when the next one starts)."""
         for q in self.tasks:
             q.put((fn, args))
         out = [None] * self.world
