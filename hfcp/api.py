@@ -1,8 +1,8 @@
 """hfcp.patch / hfcp.unpatch / hfcp.gather_sequence: the one-line surgery and its inverse.
 
-patch reads as a script: the settings checked, the model's record and plan resolved (hfcp/families/resolve.py: everything
-that can refuse, before any collective), the mesh built, then one attach per model kind (hfcp/attach.py), each
-change pushing its undo on the state, which unpatch pops.
+patch reads as a script: the settings checked, the model's record and plan resolved (hfcp/families/resolve.py:
+everything that can refuse, before any collective), the mesh built, then one attach per model kind (hfcp/attach.py),
+each change pushing its undo on the state, which unpatch pops.
 """
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
     Raises:
         UnsupportedModelError: no patcher for config.model_type, or an unsupported head.
         ValueError: unknown strategy or balance, bad cp_size / timeout / check_inputs / loss_chunk, ulysses with
-            indivisible heads, a process_group without this rank, groups the ranks disagree on, a device_mesh without a CP
-            dimension, a CP group inside the TP group, a tensor-parallel model with recurrent layers, a VLM or a
+            indivisible heads, a process_group without this rank, groups the ranks disagree on, a device_mesh without a
+            CP dimension, a CP group inside the TP group, a tensor-parallel model with recurrent layers, a VLM or a
             vision model, pipeline stages, already patched with other settings.
     """
     settings = Settings(cp_size, strategy, process_group, timeout, check_inputs, loss_chunk, ulysses_size, device_mesh,
@@ -90,7 +90,8 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
                          "call hfcp.unpatch(model) before patching with other settings")
     mesh = build_mesh(settings.cp_size, plan.process_group, settings.timeout, plan.tp_ranks)
     if mesh is None:
-        unused = [f"{k}={v!r}" for k, v in (("tiled_mlp", tiled_mlp), ("offload_checkpoints", offload_checkpoints)) if v]
+        unused = [f"{k}={v!r}"
+                  for k, v in (("tiled_mlp", tiled_mlp), ("offload_checkpoints", offload_checkpoints)) if v]
         if unused:
             log.warning("hfcp: one process or cp_size=1: %s runs unchanged, without %s (options of a CP model; "
                         "hfcp.pipeline applies them at cp_size=1 too)", type(inner).__name__, ", ".join(unused))
@@ -156,6 +157,7 @@ def gather_sequence(tensor: torch.Tensor, model, dim: int = 1) -> torch.Tensor:
         raise ValueError(f"gather_sequence(dim={dim}) of a model output of shape {tuple(tensor.shape)}: its sequence "
                          "dimension is 1 (batch, seq, ...); pass dim=1")
     if tensor.shape[dim] != layout.local_len:
-        raise ValueError(f"tensor has {tensor.shape[dim]} tokens along dim {dim}; the local slice has {layout.local_len}")
+        raise ValueError(f"tensor has {tensor.shape[dim]} tokens along dim {dim}; "
+                         f"the local slice has {layout.local_len}")
     full = all_gather(tensor, state.mesh.cp_group, dim)
     return full.index_select(dim, layout.gathered_inverse(full.device))

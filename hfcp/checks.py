@@ -93,7 +93,8 @@ def check_same_batch(kw: dict, group, names=BATCH_NAMES) -> None:
     differs = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
     if differs:
         ranks = dist.get_process_group_ranks(group)
-        which = [n for i, n in enumerate(names) if not bool((every[:, 2 * i : 2 * i + 2] == every[0, 2 * i : 2 * i + 2]).all())]
+        which = [n for i, n in enumerate(names)
+                 if not bool((every[:, 2 * i : 2 * i + 2] == every[0, 2 * i : 2 * i + 2]).all())]
         raise ValueError(
             f"ranks of one CP group got different batches ({', '.join(which)}): global ranks "
             f"{[ranks[r] for r in differs]} differ from rank {ranks[0]}. Every rank of a CP group must get the same "

@@ -69,7 +69,8 @@ class Settings:
         """{option: (this value, the other value)} for each option that differs: every option of another Settings,
         or the options in a dict (checked and normalised as patch does: a timeout in seconds equals its timedelta).
         """
-        given = other if isinstance(other, dict) else {f.name: getattr(other, f.name) for f in dataclasses.fields(other)}
+        given = (other if isinstance(other, dict)
+                 else {f.name: getattr(other, f.name) for f in dataclasses.fields(other)})
         other = dataclasses.replace(self, **given)
         return {k: (getattr(self, k), getattr(other, k)) for k in given if getattr(self, k) != getattr(other, k)}
 
@@ -92,7 +93,8 @@ class CPState:
     ran_modules: list | None = None  # those each forward calls, where not all (a pipeline stage's own)
     attention_group: object = None  # what the strategy communicates over: the CP group, or usp's sub-groups
     router_aux: object = None  # RouterAux, None (no aux loss in the forward) or why hfcp cannot compute it
-    layer_steps: object = None  # hfcp.mixers.binding.LayerSteps: the step each mixer call (and its recompute) belongs to
+    # hfcp.mixers.binding.LayerSteps: the step each mixer call (and its recompute) belongs to
+    layer_steps: object = None
     # what unpatch undoes, last first
     undo: list[Callable[[], None]] = field(default_factory=list)
     # the current step and forward
@@ -126,7 +128,8 @@ def find_pretrained(model) -> PreTrainedModel:
             m = m.module
         else:
             break
-    raise TypeError(f"hfcp.patch expects a transformers PreTrainedModel (optionally PEFT/DDP-wrapped), got {type(model).__name__}")
+    raise TypeError("hfcp.patch expects a transformers PreTrainedModel (optionally PEFT/DDP-wrapped), got "
+                    f"{type(model).__name__}")
 
 
 def cp_state(model) -> CPState | None:

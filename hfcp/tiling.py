@@ -32,7 +32,8 @@ from .families.registry import UnsupportedModelError
 
 MLP_NAMES = ("mlp", "feed_forward", "ffn")  # a decoder layer's per-token block, by the names transformers uses
 PROBE_TOKENS, PROBE_SPLIT = 64, [7, 57]  # the probes' tokens, and the uneven parts compared with them whole
-EXPERTS_NAME = "experts"  # a mixture-of-experts block's experts, called with (hidden_states, top_k_index, top_k_weights)
+# a mixture-of-experts block's experts, called with (hidden_states, top_k_index, top_k_weights)
+EXPERTS_NAME = "experts"
 _SEQUENCE_OPS = re.compile(r"dim\s*=\s*(0|1|-2)|\.(sum|mean|cumsum|cumprod|roll|topk|sort|softmax|max|min)\(|conv|"
                            r"router|expert|gather|scatter|index|shape|size\(|view\(|reshape|transpose|permute|cat\(")
 _RANDOM = re.compile(r"dropout|rand|bernoulli|multinomial|noise|jitter")  # tiles would draw other random numbers
@@ -72,8 +73,8 @@ def mlps_to_tile(model) -> list[nn.Module]:
     for i, layer in enumerate(layers):
         mlp = next((getattr(layer, n) for n in MLP_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None)
         if mlp is None:
-            raise UnsupportedModelError(f"tiled_mlp: decoder layer {i} ({type(layer).__name__}) has no MLP named one of "
-                                        f"{list(MLP_NAMES)}; pass tiled_mlp=False")
+            raise UnsupportedModelError(f"tiled_mlp: decoder layer {i} ({type(layer).__name__}) has no MLP named one "
+                                        f"of {list(MLP_NAMES)}; pass tiled_mlp=False")
         name = type(mlp).__name__
         if name not in seen:
             seen[name] = _verdict(mlp, config.hidden_size)

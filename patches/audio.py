@@ -3,8 +3,8 @@ audio features scattered in, an omni thinker's image and video features too): hf
 input exactly as for vision-language models (hfcp/hooks/vlm.py); the language model is read from the model. The
 audio encoder's clips are split over the CP group where its type encodes each clip alone (PER_CLIP_ENCODERS;
 hfcp/hooks/tower_split.py); any other encoder runs whole on every rank (exact; its memory does not fall with cp).
-Qwen2.5-Omni's vision tower is split by frames, as Qwen2.5-VL's. Each type here is shown exact by the audio sweep (tests/sweep_audio.py, tests/test_audio.py) with a
-text-only batch and with three clips."""
+Qwen2.5-Omni's vision tower is split by frames, as Qwen2.5-VL's. Each type here is shown exact by the audio sweep
+(tests/sweep_audio.py, tests/test_audio.py) with a text-only batch and with three clips."""
 from hfcp.families.registry import Patcher, register_patcher
 from hfcp.hooks.tower_split import register_per_clip_encoder, register_per_image_tower
 

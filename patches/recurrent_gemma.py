@@ -6,8 +6,9 @@ convolution of kernel `conv1d_width` and the RG-LRU, a linear recurrence whose s
 h_t = a_t * h_{t-1} + sqrt(1 - a_t^2) * (i_t * x_t), with per-channel gates a_t, i_t of the token alone and a_t = 0
 at a document start (position id 0). These two are its only token mixing. While patched, hfcp runs the family's own
 forward code of both modules, on a view of the module whose convolution is hfcp's over the global sequence (a halo
-from the chunk before, hfcp/mixers/conv_halo.py) and whose scan is the family's own `_rnn_scan` on each run of this rank's
-tokens, the state at the run's start folded from the runs before it (hfcp/mixers/state_fold.py `gated_sum_over_ranks`).
+from the chunk before, hfcp/mixers/conv_halo.py) and whose scan is the family's own `_rnn_scan` on each run of this
+rank's tokens, the state at the run's start folded from the runs before it
+(hfcp/mixers/state_fold.py `gated_sum_over_ranks`).
 
 The code of the three functions is checked first against the source transformers 5.24 ships (a fingerprint): a
 version that changes any of them is refused, not guessed.

@@ -31,8 +31,8 @@ import bench_full  # noqa: E402
 def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeout=1800, chunked_cp1=False,
             loss_chunk=1024, arch="llama", compile="none"):
     cmd = [str(HERE / "bench_step.py"), "--level", level, "--arch", arch, "--seq-len", str(seq_len), "--cp", str(cp),
-           "--strategy", strategy, "--threads", str(threads), "--repeats", str(repeats), "--loss-chunk", str(loss_chunk),
-           "--compile", compile]
+           "--strategy", strategy, "--threads", str(threads), "--repeats", str(repeats),
+           "--loss-chunk", str(loss_chunk), "--compile", compile]
     if chunked_cp1:
         cmd.append("--chunked-loss")
     if no_comm:
@@ -116,8 +116,11 @@ def longest_under_cap(args):
     for cp in args.cps:
         strategy = "none" if cp == 1 else args.strategies[0]
         threads = min(max(args.cps), args.max_threads) if cp == 1 else 1
-        fits = lambda L: "error" not in (r := measure("model", L, cp, strategy, threads, 1, chunked_cp1=args.chunked_cp1,
-                                          loss_chunk=args.loss_chunk)) and r["peak_mem_mb"] <= args.mem_cap_mb  # noqa: E731
+
+        def fits(L):
+            r = measure("model", L, cp, strategy, threads, 1, chunked_cp1=args.chunked_cp1, loss_chunk=args.loss_chunk)
+            return "error" not in r and r["peak_mem_mb"] <= args.mem_cap_mb
+
         lo, hi = 0, 1024
         while fits(hi):
             lo, hi = hi, hi * 2
@@ -127,7 +130,8 @@ def longest_under_cap(args):
         found[cp] = lo
         print(f"cp={cp} {strategy}: longest sequence under {args.mem_cap_mb} MB per rank: {lo}", flush=True)
     base = found.get(1) or 1
-    print("| cp | longest L | x cp=1 |\n|---|---|---|\n" + "\n".join(f"| {cp} | {L} | {L / base:.2f} |" for cp, L in found.items()))
+    print("| cp | longest L | x cp=1 |\n|---|---|---|\n"
+          + "\n".join(f"| {cp} | {L} | {L / base:.2f} |" for cp, L in found.items()))
     return found
 
 
@@ -143,7 +147,8 @@ def fmt(r):
 
 def table(results):
     base = {r["seq_len"]: r for r in results if r["cp"] == 1 and "error" not in r and "skipped" not in r}
-    rows = ["| L | cp | strategy | time s | x cp=1 | peak MB/rank | x cp=1 | loss |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| L | cp | strategy | time s | x cp=1 | peak MB/rank | x cp=1 | loss |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "skipped" in r:
             rows.append(f"| {r['seq_len']} | {r['cp']} | {r['strategy']} | n/a | | | | {r['skipped']} |")
@@ -155,7 +160,8 @@ def table(results):
         tr = f"{r['time_s'] / b['time_s']:.2f}" if b else "-"
         mr = f"{r['peak_mem_mb'] / b['peak_mem_mb']:.2f}" if b and b["peak_mem_mb"] > 0 else "-"
         name = r["strategy"] + (" (no comm)" if r.get("no_comm") else "")
-        rows.append(f"| {r['seq_len']} | {r['cp']} | {name} | {r['time_s']:.3f} | {tr} | {r['peak_mem_mb']:.1f} | {mr} | {r['loss']:.6f} |")
+        rows.append(f"| {r['seq_len']} | {r['cp']} | {name} | {r['time_s']:.3f} | {tr} | "
+                    f"{r['peak_mem_mb']:.1f} | {mr} | {r['loss']:.6f} |")
     return "\n".join(rows)
 
 
@@ -174,7 +180,8 @@ def plot(results, out: Path):
         ok = [r for r in results if "error" not in r and "skipped" not in r]
         series = sorted({(r["cp"], r["strategy"], r.get("no_comm", False)) for r in ok})
         for cp, s, nc in series:
-            pts = sorted((r["seq_len"], r[key]) for r in ok if (r["cp"], r["strategy"], r.get("no_comm", False)) == (cp, s, nc))
+            pts = sorted((r["seq_len"], r[key]) for r in ok
+                         if (r["cp"], r["strategy"], r.get("no_comm", False)) == (cp, s, nc))
             plt.plot(*zip(*pts), marker="o", label=f"cp={cp} {s}{' no-comm' if nc else ''}")
         plt.xscale("log", base=2)
         plt.xlabel("sequence length")
@@ -189,7 +196,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--level", choices=["model", "attention", "full"], default="model")
     ap.add_argument("--arch", choices=["llama", "qwen3_next"], default="llama",
-                    help="model level: a Llama, or a Qwen3-Next hybrid of the same size (3 of 4 layers gated delta nets)")
+                    help="model level: a Llama, or a Qwen3-Next hybrid of the same size "
+                         "(3 of 4 layers gated delta nets)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--strategies", nargs="+", default=["ring", "allgather", "ulysses"],

@@ -39,8 +39,8 @@ def main():
             r["x_eager"] = r["time_s"] / eager["time_s"] if eager else None
             rows.append(r)
             ratio = f"{r['x_eager']:.2f}" if r["x_eager"] else "-"
-            print(f"L={L:6d} cp={args.cp} {mode:8s} step {r['time_s']:.3f} s (cpu {r['cpu_s']:.3f} s)  x eager {ratio}  "
-                  f"loss {r['loss']:.6f}  peak {r['peak_mem_mb']:.0f} MB", flush=True)
+            print(f"L={L:6d} cp={args.cp} {mode:8s} step {r['time_s']:.3f} s (cpu {r['cpu_s']:.3f} s)  "
+                  f"x eager {ratio}  loss {r['loss']:.6f}  peak {r['peak_mem_mb']:.0f} MB", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -234,7 +234,7 @@ def drive(args) -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
                    "--arm", arm, "--seq-len", str(n), "--repeats", str(args.repeats), "--model", args.model]
             out = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+            line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
             if line is None:
                 print(f"{arm} {n}: failed\n{out.stderr[-2000:]}", flush=True)
                 continue
@@ -269,11 +269,11 @@ def main(argv=None):
                     help="with --arm hfcp*: what each decoder layer's forward keeps for backward, no checkpointing")
     args = ap.parse_args(argv)
     if args.model == "moe" and ("alst" in ([args.arm] if args.arm else args.arms)):
-        raise SystemExit("bench_reach.py: --model moe runs the hfcp arms only (DeepSpeed's TiledMLP is for dense MLPs): "
-                         "pass --arms hfcp hfcp_tiled")
+        raise SystemExit("bench_reach.py: --model moe runs the hfcp arms only (DeepSpeed's TiledMLP is for dense "
+                         "MLPs): pass --arms hfcp hfcp_tiled")
     if (args.phases or args.saved) and not (args.arm or "").startswith("hfcp"):
-        raise SystemExit(f"bench_reach.py: --phases and --saved need --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm "
-                         f"{args.arm})")
+        raise SystemExit("bench_reach.py: --phases and --saved need --arm hfcp, hfcp_tiled or hfcp_tiled_offload "
+                         f"(got --arm {args.arm})")
     if args.census and not args.arm:
         raise SystemExit("bench_reach.py: --census measures one arm: pass --arm and --seq-len (under torchrun)")
     measure(args) if args.arm else drive(args)

@@ -299,7 +299,8 @@ def main():
     args = ap.parse_args()
     fix_mmap_threshold()
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available()
+              else torch.device("cpu"))
     if args.cp > 1:
         import torch.distributed as dist
 
@@ -318,8 +319,8 @@ def main():
             times.append(time.perf_counter() - t)
             cpu_times.append(time.process_time() - c)  # this process's CPU time: steadier on a shared machine
         mems.append(mem.growth / 2**20)
-    result = {"level": args.level, "arch": args.arch, "seq_len": args.seq_len, "cp": args.cp, "strategy": args.strategy if args.cp > 1 else "none",
-              "no_comm": args.no_comm, "threads": args.threads,
+    result = {"level": args.level, "arch": args.arch, "seq_len": args.seq_len, "cp": args.cp,
+              "strategy": args.strategy if args.cp > 1 else "none", "no_comm": args.no_comm, "threads": args.threads,
               "chunked_cp1": bool(args.chunked_loss and args.cp == 1), "time_s": sorted(times)[len(times) // 2],
               "cpu_s": sorted(cpu_times)[len(cpu_times) // 2],
               "peak_mem_mb": max(mems), "loss": loss, "compile": args.compile,

@@ -100,7 +100,8 @@ def load_texts(path: str) -> list[str]:
     if p.is_dir():
         texts = [f.read_text(encoding="utf-8") for f in sorted(p.glob("*.txt"))]
     else:
-        texts = [json.loads(line).get("text", "") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        texts = [json.loads(line).get("text", "")
+                 for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise ValueError(f"--data {path}: found no text (expected *.txt files or a .jsonl with a 'text' field)")

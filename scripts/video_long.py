@@ -29,8 +29,8 @@ def main():
     args = ap.parse_args()
     acc = Accelerator(cpu=not torch.cuda.is_available())
     cfg = transformers.VideoMAEConfig(image_size=args.image_size, patch_size=16, num_frames=args.frames, tubelet_size=2,
-                                      hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=256,
-                                      num_labels=10)
+                                      hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                      intermediate_size=256, num_labels=10)
     torch.manual_seed(0)
     model = transformers.VideoMAEForVideoClassification(cfg).to(acc.device)
     video = torch.randn(1, args.frames, 3, args.image_size, args.image_size, generator=torch.Generator().manual_seed(1))

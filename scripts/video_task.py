@@ -105,7 +105,8 @@ def answer_accuracy(model, frames: int, n: int, seed: int, device) -> float:
     model.eval()
     for _ in range(n):
         row, answer = make_example(rng, config, frames)
-        batch = {k: v[None].to(device) if k in ("input_ids", "labels", "mm_token_type_ids") else v.to(device) for k, v in row.items()}
+        batch = {k: v[None].to(device) if k in ("input_ids", "labels", "mm_token_type_ids") else v.to(device)
+                 for k, v in row.items()}
         batch.pop("labels")
         logits = hfcp.gather_sequence(model(**batch).logits, model)
         correct += int(logits[0, -3].argmax()) == answer

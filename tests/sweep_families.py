@@ -1,7 +1,7 @@
 """The family sweep: every model_type of transformers' causal-LM mapping, a tiny random config that keeps the
 family's features (caps and biases made to matter), patched (cp 2, ring, allgather and ulysses, the default
-chunked loss) against the unpatched model: loss and every gradient. Each type comes out exact, refused (with hfcp's reason), or not
-built (no tiny model could be made from its config). Run on every rank of a 2-process pool."""
+chunked loss) against the unpatched model: loss and every gradient. Each type comes out exact, refused (with hfcp's
+reason), or not built (no tiny model could be made from its config). Run on every rank of a 2-process pool."""
 from __future__ import annotations
 
 import copy
@@ -120,8 +120,8 @@ def _check(model_type: str, aux_loss: bool = True) -> dict:
     grad_err = max(e[1] for e in errs.values())
     same_keys = all(e[2] for e in errs.values())
     exact = same_keys and loss_err < LOSS_TOL and grad_err < tolerance
-    # what the support-matrix page prints is what holds on any processor: the verdict and its tolerance, never the rounding
-    # digits of the CPU kernels (those differ between machines); the measured errors travel beside it
+    # what the support-matrix page prints is what holds on any processor: the verdict and its tolerance, never the
+    # rounding digits of the CPU kernels (those differ between machines); the measured errors travel beside it
     errors = f"loss {loss_err:.1e}, grad {grad_err:.1e}" + ("" if same_keys else ", grads differ")
     within = (f"{GRAD_TOL:.0e}" if tolerance == GRAD_TOL
               else "twice the fp32 noise of the family's own recurrent kernel on one device")
@@ -323,7 +323,8 @@ def user_records(types) -> list[dict]:
     out = []
     for t in types:
         try:
-            names = tuple(sorted({type(m).__name__ for m in build(t).modules() if type(m).__name__.endswith("Attention")}))
+            names = tuple(sorted({type(m).__name__ for m in build(t).modules()
+                                  if type(m).__name__.endswith("Attention")}))
         except Exception as e:  # noqa: BLE001
             out.append({"type": t, "result": "not built", "detail": str(e)[:100]})
             continue
@@ -332,7 +333,8 @@ def user_records(types) -> list[dict]:
         try:
             out.append({**_check(t), "classes": names})
         except Exception as e:  # noqa: BLE001 - a raw error of the model code under CP (AssertionError, IndexError)
-            out.append({"type": t, "result": "error", "detail": f"{type(e).__name__}: {str(e)[:200]}", "classes": names})
+            out.append({"type": t, "result": "error", "detail": f"{type(e).__name__}: {str(e)[:200]}",
+                        "classes": names})
         finally:
             REGISTRY._patchers.pop(t)
             if saved is not None:

@@ -82,7 +82,8 @@ def generic_types() -> list[tuple[str, str]]:
 
     found = []
     for head, mapping, generic in (
-            ("sequence", modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, GenericForSequenceClassification),
+            ("sequence", modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+             GenericForSequenceClassification),
             ("token", modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, GenericForTokenClassification)):
         for model_type in hfcp.supported_model_types():
             name = mapping.get(model_type)

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from hfcp.testing.tiny_vlm import image_batch, text_batch, tiny_vlm
 from hfcp.commands.verify import grad_error
 
-from sweep_families import GRAD_TOL, LOSS_TOL, _averaged, _grads, _grads_of_any_rank  # the family sweep's tolerances and helpers
+# the family sweep's tolerances and helpers
+from sweep_families import GRAD_TOL, LOSS_TOL, _averaged, _grads, _grads_of_any_rank
 
 
 def _compare(make, make_batch, strategy: str = "ring") -> dict:

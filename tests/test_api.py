@@ -147,7 +147,8 @@ def test_layout_volume_by_dimension():
     assert b["dp_shard"] == 3 * (7 / 8) * 8.03e9 / 2 * 2  # FSDP over dp_shard x cp = 8 ranks, half the parameters
     hsdp = layout_bytes(**shape, dp_replicate=2, dp_shard=2, cp=4, strategy="ulysses")
     assert hsdp["dp_replicate"] == 2 * (1 / 2) * 8.03e9 * 2 / 8  # a rank's gradient shard, all-reduced over 2
-    assert round(b["tp"] / 2**30, 1) == 32.0 and round(hsdp["dp_replicate"] / 2**30, 1) == 1.9  # docs/how-to/scaling-out.md
+    # docs/how-to/scaling-out.md
+    assert round(b["tp"] / 2**30, 1) == 32.0 and round(hsdp["dp_replicate"] / 2**30, 1) == 1.9
     with pytest.raises(ValueError, match="tp=3 must divide"):
         layout_bytes(**shape, tp=3)
 

@@ -31,7 +31,8 @@ def test_no_audio_model_is_silently_wrong_or_crashes(sweep):
 
 def test_audio_matrix_is_current(sweep):
     page = support_matrix.MATRIX_PAGE.read_text()
-    assert support_matrix.render_audio_table(sweep) in page, "docs' audio matrix is stale: run scripts/support_matrix.py"
+    assert support_matrix.render_audio_table(sweep) in page, (
+        "docs' audio matrix is stale: run scripts/support_matrix.py")
 
 
 @pytest.mark.parametrize("model_type, side", [("qwen2_audio", "left"), ("qwen2_5_omni_thinker", "left"),

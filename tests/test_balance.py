@@ -1,6 +1,7 @@
-"""The balanced layout for packed rows (hfcp.layout.balance) and the count of attention work it balances (hfcp.layout.work): counted,
-no processes. Per-rank work is checked against a brute-force count over each rank's local indices written here from
-the masks' definitions (documents from position_ids resets, causal, sliding window, attention chunks, key padding)."""
+"""The balanced layout for packed rows (hfcp.layout.balance) and the count of attention work it balances
+(hfcp.layout.work): counted, no processes. Per-rank work is checked against a brute-force count over each rank's local
+indices written here from the masks' definitions (documents from position_ids resets, causal, sliding window, attention
+chunks, key padding)."""
 import math
 import random
 

@@ -118,10 +118,12 @@ def test_ulysses_shares_each_groups_work(pool2):
 def test_usp_work_is_the_mean_of_each_ulysses_group():
     """usp at cp 4 with Ulysses groups of 2 ranks ({0, 1}, {2, 3}): each rank does its group's mean work."""
     layout = Layout(PACKED.shape[1], 4, zigzag=True)
-    work = hfcp.layout.work.position_work([(MaskSpec(True, None), 1)], build_step_batch(layout, 0, 1, PACKED, None, "cpu"))
+    work = hfcp.layout.work.position_work([(MaskSpec(True, None), 1)],
+                                          build_step_batch(layout, 0, 1, PACKED, None, "cpu"))
     own = hfcp.layout.work.rank_work(layout, work)
     pairs = [(own[0] + own[1]) / 2] * 2 + [(own[2] + own[3]) / 2] * 2
-    assert hfcp.layout.work.rank_work(layout, work, 2) == pairs and hfcp.layout.work.rank_work(layout, work, 4) == [sum(own) / 4] * 4
+    assert (hfcp.layout.work.rank_work(layout, work, 2) == pairs
+            and hfcp.layout.work.rank_work(layout, work, 4) == [sum(own) / 4] * 4)
     assert hfcp.layout.work.ulysses_width("usp", 4, 2) == 2 and hfcp.layout.work.ulysses_width("ulysses", 4, None) == 4
     assert hfcp.layout.work.ulysses_width("ring", 4, None) == hfcp.layout.work.ulysses_width("allgather", 4, None) == 1
 

@@ -144,7 +144,8 @@ def test_strict_build_fails_on_a_broken_link(tmp_path):
     shutil.copytree(DOCS, tmp_path / "docs")
     shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
     page = tmp_path / "docs" / "index.md"
-    page.write_text(page.read_text() + "\n[gone](reference/no-such-page.md) [anchor](reference/api.md#no-such-anchor)\n")
+    page.write_text(page.read_text()
+                    + "\n[gone](reference/no-such-page.md) [anchor](reference/api.md#no-such-anchor)\n")
     cmd = [str(mkdocs) if mkdocs.exists() else "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no-such-page.md" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]

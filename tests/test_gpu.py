@@ -54,7 +54,8 @@ def test_cuda_tiles_match_dense(case, dtype):
     blocks.forward_tiles(q, k, v, tiles, 8 ** -0.5, out, lse)
     dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
     blocks.backward_tiles(dout, q, k, v, out.to(q.dtype), lse, tiles, 8 ** -0.5, dq, dk, dv)
-    valid = W.dense_allowed(case, pos.cpu() if pos is not None else None, mask.cpu() if mask is not None else None).any(-1)[..., None]
+    valid = W.dense_allowed(case, pos.cpu() if pos is not None else None,
+                            mask.cpu() if mask is not None else None).any(-1)[..., None]
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert float(((out.float().cpu() - ref.detach()) * valid).abs().max() / ref.detach().abs().max()) < tol
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):

@@ -29,8 +29,8 @@ def grpo_reference(pool1):
 
 def test_grpo_cp2_equals_one_process(pool2, grpo_reference):
     """Left-padded prompts of 3 to 11 words, completions stopped at eos or 8 tokens, gradient checkpointing
-    (GRPOConfig's default), 3 steps of one generation each, then an evaluation (generation and loss on 12 other prompts): both
-    ranks draw what one process draws, and log what it logs."""
+    (GRPOConfig's default), 3 steps of one generation each, then an evaluation (generation and loss on 12 other
+    prompts): both ranks draw what one process draws, and log what it logs."""
     logged = grpo_reference["history"][0].keys()
     assert {"loss", "grad_norm", "reward", "reward_std", "entropy", "num_tokens", "completions/mean_length",
             "clip_ratio/region_mean"} <= logged, logged

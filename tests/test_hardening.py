@@ -34,7 +34,8 @@ def test_transformers_loss_keywords_are_honoured(pool2, kind, loss_chunk):
     ("label_too_big", "labels[:, 1:][1, 4] = 64 is outside the vocabulary [0, 64)"),
     ("label_negative", "= -5 is outside the vocabulary"),
     ("token_too_big", "input_ids[1, 5] = 1000 is outside the vocabulary [0, 64)"),
-    ("label_minus_100_with_other_ignore_index", "= -100 is outside the vocabulary [0, 64) and is not the ignore_index -1"),
+    ("label_minus_100_with_other_ignore_index",
+     "= -100 is outside the vocabulary [0, 64) and is not the ignore_index -1"),
 ])
 @pytest.mark.parametrize("loss_chunk", ["auto", None])
 def test_a_bad_value_in_one_shard_raises_on_every_rank(pool2, kind, message, loss_chunk):

@@ -29,9 +29,9 @@ def test_logits_to_keep_hfcp_cannot_honour_is_refused(pool2, call, message):
 
 
 # model.generate on a patched model (issue 20): the prompt prefilled over the CP group, each rank keeping its tokens'
-# keys and values (hfcp/inference/kv_cache.py), each decode step merged over the ranks (hfcp/attention/decode.py); two prompts,
-# one left-padded; against the unpatched model's generate in the same process: the same tokens on every rank, and
-# every step's logits within fp32 tolerance
+# keys and values (hfcp/inference/kv_cache.py), each decode step merged over the ranks (hfcp/attention/decode.py); two
+# prompts, one left-padded; against the unpatched model's generate in the same process: the same tokens on every rank,
+# and every step's logits within fp32 tolerance
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss", "mixtral", "llama_dynamic"])
 def test_greedy_generation_equals_the_unpatched_model(pool2, kind):
     # mistral: a window of 7 over 300 columns; gemma2: attention and final softcaps, sliding layers; gpt_oss: sinks;
@@ -99,8 +99,8 @@ import workers_vlm_generate as G  # noqa: E402
 
 
 @pytest.mark.parametrize("kind, case", [("llava", "one_image"), ("qwen2_vl", "two_images"), ("qwen2_vl", "video"),
-                                        ("qwen3_vl", "one_image"), ("internvl", "one_image"),
-                                        ("idefics3", "one_image"), ("llava", "left_padding"), ("qwen2_vl", "text_only")])
+                                        ("qwen3_vl", "one_image"), ("internvl", "one_image"), ("idefics3", "one_image"),
+                                        ("llava", "left_padding"), ("qwen2_vl", "text_only")])
 def test_vlm_greedy_generation_equals_the_unpatched_model(pool2, kind, case):
     """The merged prompt (image or video features scattered in) prefilled over the CP group with the tower split,
     mRoPE positions continued from the rope index (Qwen-VL), deepstack side inputs (Qwen3-VL): the same tokens,

@@ -43,7 +43,10 @@ def _run(loss_fn, head, hidden, targets):
 @pytest.mark.parametrize("bias,head_trains", [(False, False), (True, True), (False, True)])
 def test_chunked_loss_equals_full_logits(bias, head_trains, wrap):
     head, hidden, targets = _case(bias, head_trains, wrap)
-    full = lambda h, x, t: F.cross_entropy(h(x).reshape(-1, 50), t.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")  # noqa: E731
+
+    def full(h, x, t):
+        return F.cross_entropy(h(x).reshape(-1, 50), t.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
     ref_loss, ref_grads = _run(full, head, hidden, targets)
     loss, grads = _run(lambda h, x, t: chunked_ce_sum(x, t, h, 5), head, hidden, targets)
     assert abs(float(loss - ref_loss)) <= 1e-6 * abs(float(ref_loss))

@@ -2,7 +2,8 @@
 tiles of the rank's tokens in training, each tile recomputed in backward; offload_checkpoints: each checkpointed
 layer's input held in host memory. At cp 2 the loss and every gradient equal the unpatched model's in one process,
 for a Llama (LoRA, gradient checkpointing), a hybrid's MLPs beside its short convolutions, a VLM's language
-model and two mixtures of experts (the experts tiled, the router and its aux loss whole); MLPs hfcp cannot show compute each token alone, and offloading without checkpoints, are refused by name."""
+model and two mixtures of experts (the experts tiled, the router and its aux loss whole); MLPs hfcp cannot show compute
+each token alone, and offloading without checkpoints, are refused by name."""
 import pytest
 
 import workers_reach as W
@@ -58,7 +59,8 @@ def test_offload_checkpoints_exact_at_cp2(pool2, kind, tile, lora, checkpointing
     ("mixtral_capacity", 8, False, "(its CapacityExperts's output for some tokens changes with the others)"),
     ("mixtral_bound", 8, False, "(its CapacityExperts's output for some tokens changes with the others)"),
     ("llama", False, "yes", "offload_checkpoints='yes' must be True or False"),
-    ("zero3", 2, False, "tiled_mlp: LlamaMLP's weights are gathered by DeepSpeed ZeRO-3 per sub-layer (up_proj.weight)"),
+    ("zero3", 2, False,
+     "tiled_mlp: LlamaMLP's weights are gathered by DeepSpeed ZeRO-3 per sub-layer (up_proj.weight)"),
     ("llama", False, True, "offload_checkpoints=True: LlamaForCausalLM's decoder layers are not checkpointed"),
 ])
 def test_reach_options_refused_by_name(pool2, kind, tile, offload, message):

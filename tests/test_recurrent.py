@@ -44,7 +44,8 @@ def test_decay_folds_are_exact_in_fp64(pool2, pool4, zigzag, fold):
 
 # every recorded family is also in the family sweep (tests/test_families.py): cp 2, ring, allgather and ulysses, with
 # padding and mask holes, to the same bound; these cases add the test's own GQA shapes (2 key heads, 4 value heads)
-@pytest.mark.parametrize("kind, case, strategy", [("qwen3_next", "plain", "ring"), ("qwen3_5_text", "padding", "ulysses"),
+@pytest.mark.parametrize("kind, case, strategy", [("qwen3_next", "plain", "ring"),
+                                                  ("qwen3_5_text", "padding", "ulysses"),
                                                   ("lara_mini", "padding", "allgather")])  # lara_mini: sliding windows
 def test_gated_delta_hybrids_equal_the_unpatched_model(pool2, kind, case, strategy):
     for r in pool2.run(W.compare, kind, case, strategy):

@@ -31,7 +31,8 @@ def test_bad_calls_raise_clear_errors_on_every_rank(pool2, kind, message):
 @pytest.mark.parametrize("kind, message", [
     ("cp_too_big", "cp_size=4 must divide the world size 2"),
     ("ulysses_heads", "num_attention_heads=3 and num_key_value_heads=1 are not both divisible by cp_size=2"),
-    ("usp_size", "ulysses_size=3 must divide cp_size=2, num_attention_heads=4 and num_key_value_heads=2; choose one of [1, 2]"),
+    ("usp_size", "ulysses_size=3 must divide cp_size=2, num_attention_heads=4 and num_key_value_heads=2; "
+                 "choose one of [1, 2]"),
     ("usp_size_without_usp", "ulysses_size=2 applies to strategy='usp' only"),
 ])
 def test_bad_patch_settings(pool2, kind, message):
@@ -56,7 +57,8 @@ def test_killed_rank_survivor_raises_within_timeout():
         r = pool.run(WF.one_rank_dies_mid_step, 5.0, timeout=120, expect=[0])[0]
     finally:
         pool.close(kill=True)
-    assert r["raised"] == "CollectiveError" and r["after_s"] < 60, r  # the 5 s bound, not gloo's 30 min (loose: CI load)
+    # the 5 s bound, not gloo's 30 min (loose: CI load)
+    assert r["raised"] == "CollectiveError" and r["after_s"] < 60, r
     assert "peer rank probably raised, died" in r["message"], r
 
 

@@ -24,7 +24,8 @@ def assert_same_run(got, ref, tol=2e-5, skip=()):
 
 @pytest.fixture(scope="module")
 def reference(pool1):
-    return {accum: pool1.run(W.train_run, 4, None, "ring", False, {"gradient_accumulation_steps": accum})[0] for accum in (1, 2)}
+    return {accum: pool1.run(W.train_run, 4, None, "ring", False, {"gradient_accumulation_steps": accum})[0]
+            for accum in (1, 2)}
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])

@@ -100,7 +100,8 @@ def test_verify_builds_the_class_of_the_head_from_the_tiny_config():
     batch = make_batch(model, 40, None)
     assert batch["labels"].shape == (1,) and model(**batch).logits.shape == (1, model.config.num_labels)
     token = load_model("llama", head="token-classification")
-    assert make_batch(token, 40, None)["labels"].shape == (1, 40) and token(**make_batch(token, 40, None)).logits.shape == (1, 40, 2)
+    assert (make_batch(token, 40, None)["labels"].shape == (1, 40)
+            and token(**make_batch(token, 40, None)).logits.shape == (1, 40, 2))
 
 
 def test_verify_a_recurrent_hybrid(pool2):
@@ -172,15 +173,17 @@ BAD_INVOCATIONS = {
         "(its position table transformer.wpe, max_position_embeddings=256): pass --seq-len 256 or less", True),
     "unknown_model_type": (
         lambda tmp: ["--model", "not_a_type"], 2,
-        "hfcp verify: error: --model not_a_type: no such directory, and not a causal-LM, image-text-to-text or audio-language model_type of transformers",
+        "hfcp verify: error: --model not_a_type: no such directory, and not a causal-LM, image-text-to-text or "
+        "audio-language model_type of transformers",
         True),
     "directory_without_config_json": (
         lambda tmp: ["--model", str(tmp)], 2,
-        "hfcp verify: error: --model {tmp}: a directory without config.json, and not a causal-LM, image-text-to-text or audio-language model_type", True),
+        "hfcp verify: error: --model {tmp}: a directory without config.json, and not a causal-LM, "
+        "image-text-to-text or audio-language model_type", True),
     "type_of_which_no_tiny_model_is_built": (
         lambda tmp: ["--model", "bart", "--seq-len", "32"], 1,
-        "hfcp verify: ValueError: the tiny config still has 3.3M parameters (hfcp.testing.tiny builds no tiny random model "
-        "of bart: verify a checkpoint directory of it instead)", True),
+        "hfcp verify: ValueError: the tiny config still has 3.3M parameters (hfcp.testing.tiny builds no tiny random "
+        "model of bart: verify a checkpoint directory of it instead)", True),
     "data_with_a_model_type": (
         lambda tmp: ["--model", "gpt2", "--seq-len", "32", "--data", str(ROOT / "README.md")], 2,
         "hfcp verify: error: --data {root}/README.md needs a checkpoint directory (its tokenizer): the tiny random "
@@ -213,8 +216,8 @@ BAD_INVOCATIONS = {
 def test_verify_bad_invocations_print_one_line_and_exit_nonzero(case, tmp_path, capfd):
     """Each prints one line (`hfcp verify: error: ...` for bad arguments, exit 2; `hfcp verify: Type: message`, exit
     1, for what was raised building or running the model), never a traceback; the parent finds bad arguments before
-    starting any worker. Those are checked in this process (hfcp.commands.cli.main, the console command's function: what a
-    worker printed would reach the captured file descriptors too); the worker's error through the console command."""
+    starting any worker. Those are checked in this process (hfcp.commands.cli.main, the console command's function: what
+    a worker printed would reach the captured file descriptors too); the worker's error through the console command."""
     args, status, line, in_parent = BAD_INVOCATIONS[case]
     if in_parent:
         from hfcp.commands.cli import main

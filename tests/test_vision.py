@@ -55,7 +55,8 @@ def test_timesformer_is_refused_with_the_reason():
 
 
 def test_videomae_pretraining_is_refused():
-    cfg = transformers.VideoMAEConfig(**{**W.COMMON, "image_size": 16, "patch_size": 8, "num_frames": 4, "tubelet_size": 2})
+    cfg = transformers.VideoMAEConfig(**{**W.COMMON, "image_size": 16, "patch_size": 8, "num_frames": 4,
+                                         "tubelet_size": 2})
     with pytest.raises(hfcp.UnsupportedModelError, match="VideoMAEForPreTraining"):
         hfcp.patch(transformers.VideoMAEForPreTraining(cfg))
 

@@ -22,7 +22,8 @@ def test_vlm_loss_and_every_gradient_equal_the_unpatched_model(pool2, kind, case
         _split(r, kind, 2)
 
 
-SPLIT = ("llava", "internvl", "idefics3", "smolvlm", "gemma3", "paligemma")  # towers that encode each image alone: split over the ranks
+# towers that encode each image alone: split over the ranks
+SPLIT = ("llava", "internvl", "idefics3", "smolvlm", "gemma3", "paligemma")
 
 
 def _split(r, kind, cp):

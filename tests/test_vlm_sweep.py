@@ -1,5 +1,6 @@
 """The VLM sweep over every image-text-to-text type of transformers: exact or refused, never silently wrong, with
-a text-only batch and with images; and its matrix (docs/reference/support-matrix.md, patches/verified_vlm.py) is what a fresh sweep gives."""
+a text-only batch and with images; and its matrix (docs/reference/support-matrix.md, patches/verified_vlm.py) is what a
+fresh sweep gives."""
 import sys
 from pathlib import Path
 

@@ -140,8 +140,8 @@ def sequence_outputs_exact(documents: list[list[int]]) -> dict:
         out = hfcp.sequence_logps(model, ids, position_ids=pos)
         kept = model(input_ids=ids, position_ids=pos, logits_to_keep=3, output_hidden_states=True).logits
         hidden = model(input_ids=ids, position_ids=pos, output_hidden_states=True).hidden_states[-1]
-        return (out.sums * torch.tensor([1.0, -2.0])).sum(), (out.sums, kept,
-                                                                hfcp.gather_sequence(hidden, model) if patched else hidden)
+        return (out.sums * torch.tensor([1.0, -2.0])).sum(), (
+            out.sums, kept, hfcp.gather_sequence(hidden, model) if patched else hidden)
 
     errors = {}
     for name, head, call in (("classifier", "sequence-classification", run), ("causal lm", None, logps)):

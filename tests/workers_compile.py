@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import hfcp
 from hfcp.commands.verify import grad_error
@@ -74,7 +73,8 @@ def compiled_steps(kind: str, how: str, backend: str = "aot_eager", checkpointin
         # a compiled graph gives zeros where eager leaves None (a VLM tower's unused head): the same gradient
         extra = [g for n, g in grads.items() if n not in ref_grads and bool(g.any())]
         loss_err = max(loss_err, abs(got.item() - want.item()) / abs(want.item()))
-        grad_err = max(grad_err, grad_error(grads, ref_grads), float(bool(extra) or not ref_grads.keys() <= grads.keys()))
+        grad_err = max(grad_err, grad_error(grads, ref_grads),
+                       float(bool(extra) or not ref_grads.keys() <= grads.keys()))
         with torch.no_grad():
             for a, b in zip(ref.parameters(), model.parameters()):
                 if a.grad is not None:

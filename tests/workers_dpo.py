@@ -101,7 +101,8 @@ def dpo_run(per_device: int, cp_size=None, reference="model", overrides=None, le
     history = [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
     imbalance = [h.get("cp_imbalance") for h in trainer.state.log_history if "loss" in h]
     return {"history": history, "imbalance": imbalance, "patched": _patched(trainer),
-            "predictions": None if pred is None else (torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids)),
+            "predictions": (None if pred is None
+                            else (torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids))),
             "eval": {k: v for k, v in metrics.items() if k.startswith("eval_") and k.split("_", 1)[1] in METRICS}}
 
 

@@ -28,7 +28,8 @@ def _avg(grads):
 
 def compare(batch: dict, strategy="ring", loss_chunk="auto", dtype=None, autocast=None, family="llama", **extra):
     """Unpatched vs patched (train mode) on the same batch and loss keywords: losses (NaN-aware) and grads."""
-    ctx = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast else (lambda: torch.autocast("cpu", enabled=False))
+    ctx = ((lambda: torch.autocast("cpu", dtype=autocast)) if autocast
+           else (lambda: torch.autocast("cpu", enabled=False)))
     ref = tiny_model(family)
     model = tiny_model(family)
     if dtype is not None:
@@ -46,8 +47,8 @@ def compare(batch: dict, strategy="ring", loss_chunk="auto", dtype=None, autocas
     worst = grad_error(got, want)  # with a floor: q/k gradients are float noise when every query sees one key
     loss_err = 0.0 if all(nan) else abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12)
     hfcp.unpatch(model)
-    return {"nan": nan, "loss_err": loss_err, "grad_err": worst, "finite": finite, "same_keys": got.keys() == want.keys(),
-            "loss_dtype": str(loss.dtype)}
+    return {"nan": nan, "loss_err": loss_err, "grad_err": worst, "finite": finite,
+            "same_keys": got.keys() == want.keys(), "loss_dtype": str(loss.dtype)}
 
 
 def no_target(kind: str, loss_chunk):

@@ -137,10 +137,11 @@ def generate_refusal(case: str) -> str:
         prompts = {k: v[1:] for k, v in prompts.items()}
     if case == "packed_prompt":  # documents packed into a row (position_ids restart, no mask): its prefill kept them
         # apart, its decode steps attended across them (transformers with a cache attends across them throughout)
-        prompts = {"input_ids": prompts["input_ids"][1:], "position_ids": torch.cat([torch.arange(25), torch.arange(15)])[None]}
+        prompts = {"input_ids": prompts["input_ids"][1:],
+                   "position_ids": torch.cat([torch.arange(25), torch.arange(15)])[None]}
     options = {"beam_search": dict(num_beams=2), "static_cache": dict(cache_implementation="static"),
-               "prompt_lookup": dict(prompt_lookup_num_tokens=2), "differing_prompts": {}, "max_time": dict(max_time=5.0),
-               "unshared_seed": dict(do_sample=True), "packed_prompt": {}}[case]
+               "prompt_lookup": dict(prompt_lookup_num_tokens=2), "differing_prompts": {},
+               "max_time": dict(max_time=5.0), "unshared_seed": dict(do_sample=True), "packed_prompt": {}}[case]
     if case == "unshared_seed":  # each rank its own seed: the sampled tokens differ (refused, not a hang)
         torch.manual_seed(100 + dist.get_rank())
     hfcp.patch(model, timeout=30)  # hfcp's own group, with a timeout: a rank left waiting would fail the test

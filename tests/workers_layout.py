@@ -58,7 +58,8 @@ def layout_run(per_device: int, layout: dict | None, fsdp: bool = False, env: bo
     import torch
 
     handed_sizes = None if handed is None else (handed.dp_shard_size, handed.cp_size, handed.cp_enabled)
-    return {"history": T._history(trainer), "eval_loss": metrics["eval_loss"], "model_class": type(trainer.model).__name__,
+    return {"history": T._history(trainer), "eval_loss": metrics["eval_loss"],
+            "model_class": type(trainer.model).__name__,
             "predictions": torch.as_tensor(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids),
             "total_batch": trainer.get_total_train_batch_size(trainer.args), "handed": handed_sizes,
             "cp": trainer.get_cp_size()}

@@ -86,5 +86,6 @@ def auto_default(case: dict):
         "eval_logits": tuple(evaluated.logits.shape),
         "per_call_logits_none": chunked_once.logits is None, "after_logits": tuple(after.logits.shape),
         "per_call_refused": refused,
-        "loss": max(float((x.loss - ref_loss).abs() / ref_loss.abs()) for x in (train, no_grad, evaluated, chunked_once)),
+        "loss": max(float((x.loss - ref_loss).abs() / ref_loss.abs())
+                    for x in (train, no_grad, evaluated, chunked_once)),
     }

@@ -180,7 +180,8 @@ def fold_exact(zigzag: bool, length: int = 37) -> dict:
     layout = Layout(length, cp, zigzag)
     step = build_step_batch(layout, rank, 2, None, None, torch.device("cpu"))
     index = layout.local_index(rank)
-    local = {n: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, layout.padded_len - length)).index_select(1, index)
+    local = {n: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, layout.padded_len - length))
+                .index_select(1, index)
              for n, t in x.items()}  # hfcp's end padding: zeros (no decay, no update)
     got = chunked_rule_over_ranks(loop_delta_rule, local["q"], local["k"], local["v"],
                                   {"g": local["g"], "beta": local["beta"]}, step, dist.group.WORLD,
@@ -251,7 +252,8 @@ def gathered_bytes(kind: str) -> dict:
         return {"conv_sent": seen["conv_halo"] * (cp - 1), "conv_formula": conv,
                 "fold_sent": seen["state_fold"] * (cp - 1), "fold_formula": fold}
     layers = cfg.layer_types.count("linear_attention")
-    channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    channels = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
     conv = layers * conv_halo_bytes(2, channels, cfg.linear_conv_kernel_dim, cp, dtype_bytes=4) / 2
     fold = layers * state_fold_bytes(2, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                                      cp) / 2
@@ -345,7 +347,8 @@ def loop_selective(hidden_states, dt, A, B, C, return_last_state=True):
     state = hidden_states.new_zeros(hidden_states.shape[:2] + A.shape[-1:])
     out = []
     for t in range(hidden_states.shape[-1]):
-        state = (A * dt[:, :, t, None]).exp() * state + (dt[:, :, t] * hidden_states[:, :, t])[..., None] * B[:, None, :, t]
+        state = ((A * dt[:, :, t, None]).exp() * state
+                 + (dt[:, :, t] * hidden_states[:, :, t])[..., None] * B[:, None, :, t])
         out.append((state * C[:, None, :, t]).sum(-1))
     out = torch.stack(out, -1)
     return (out, state) if return_last_state else out
@@ -402,7 +405,8 @@ def gated_fold_exact(zigzag: bool, length: int = 37) -> dict:
 def user_built(kind: str):
     """A tiny model built from its family's config as a user (or a checkpoint's config.json) would: Mamba-2 alone, a
     Jamba hybrid (a Mamba layer; an attention layer with MoE), LFM2 (conv, attention, conv, conv), Zamba (Mamba
-    layers, the shared attention block beside the third and fifth: transformers ties it from layer 2) or Llama (attention only, the control); weights perturbed."""
+    layers, the shared attention block beside the third and fifth: transformers ties it from layer 2) or Llama
+    (attention only, the control); weights perturbed."""
     import transformers as T
 
     small = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -481,7 +485,8 @@ def _checkpoint_layers(model, checkpointing: str, reentrant: bool) -> None:
     """Activation checkpointing of each decoder layer by torch's checkpoint_wrapper or composable checkpoint."""
     from functools import partial
 
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl, apply_activation_checkpointing,
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                             apply_activation_checkpointing,
                                                                              checkpoint_wrapper)
 
     layers = list(model.base_model.layers)

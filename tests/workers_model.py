@@ -11,7 +11,8 @@ import hfcp
 CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 7}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
 }
 
@@ -74,7 +75,8 @@ def _build(case, patch_first=False):
     if case.get("lora"):
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
         for n, p in model.named_parameters():  # non-zero B so that every LoRA grad is exercised
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(n)))
@@ -134,7 +136,8 @@ def run_case(case: dict):
     sum(losses).backward()
     loss, full = losses[0], gathered[0]
     errs = {"loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)), "loss_value": float(loss)}
-    valid = batch["attention_mask"].bool()[..., None] if "attention_mask" in batch else torch.ones_like(full[..., :1], dtype=torch.bool)
+    valid = (batch["attention_mask"].bool()[..., None] if "attention_mask" in batch
+             else torch.ones_like(full[..., :1], dtype=torch.bool))
     errs["seq"] = _rel(full.detach().float() * valid, ref_seq.detach() * valid)
     grads = _grads(model.module if case.get("ddp") else model)
     grads = {n.removeprefix("module."): g for n, g in grads.items()}

@@ -27,7 +27,8 @@ def tiny_vlm(kind: str):
                                 image_token_index=95, projection_dim=32)
         cls = T.PaliGemmaForConditionalGeneration
     elif kind == "gemma3":
-        cfg = T.Gemma3Config(vision_config=_VISION, text_config=dict(model_type="gemma3_text", sliding_window=7, **_TEXT),
+        cfg = T.Gemma3Config(vision_config=_VISION,
+                             text_config=dict(model_type="gemma3_text", sliding_window=7, **_TEXT),
                              image_token_index=95, mm_tokens_per_image=4, boi_token_index=93, eoi_token_index=94)
         cls = T.Gemma3ForConditionalGeneration
     else:
@@ -44,7 +45,9 @@ def _batch(token_types: bool, padding: bool):
     kw, labels = {"input_ids": ids}, ids.clone()
     if token_types:  # a prefix (0) and a suffix (1): PaliGemma's prefix-LM block, Gemma 3's image-block rule
         kw["token_type_ids"] = (torch.arange(L) >= 12).long()[None].expand(2, -1).clone()
-    if padding:  # left padding of row 0; its first valid token is never a target (see docs/reference/limitations.md: padding query rows)
+    # left padding of row 0; its first valid token is never a target
+    # (see docs/reference/limitations.md: padding query rows)
+    if padding:
         mask = torch.ones_like(ids)
         mask[0, :5] = 0
         labels[0, :6] = -100

@@ -74,7 +74,8 @@ def _prepare(family, lora, checkpointing, tied):
                 if "lora_B" in n:
                     p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     return model
 
 
@@ -142,7 +143,8 @@ def refused(kind: str) -> str | None:
             import transformers as T
 
             return T.OPTForCausalLM(T.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                                num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32))
+                                                num_attention_heads=4, max_position_embeddings=64,
+                                                word_embed_proj_dim=32))
         if kind == "hybrid":  # short convolutions: their halos would have to cross stages
             from workers_mixers import tiny_hybrid
 

@@ -41,7 +41,8 @@ def compare(model_type: str, batch: dict, strategy: str = "ring", config: dict |
             for g in grads.values():
                 dist.all_reduce(g)
                 g /= dist.get_world_size()
-            out.append({"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, _grads(ref))})
+            out.append({"loss_err": abs(got.item() - want.item()) / want.item(),
+                        "grad_err": grad_error(grads, _grads(ref))})
     finally:
         hfcp.unpatch(model)
     return {"steps": out, "loss": want.item()}
@@ -54,7 +55,8 @@ def batch(kind: str, L: int = 40, vocab: int = 96) -> dict:
     b = {"input_ids": ids, "labels": labels}
     if kind in ("left_padding", "holes"):
         mask = torch.ones_like(ids)
-        mask[0, :7] = 0  # left padding of row 0; its first valid token is no target (docs/reference/limitations.md: padding query rows)
+        # left padding of row 0; its first valid token is no target (docs/reference/limitations.md: padding query rows)
+        mask[0, :7] = 0
         labels[0, :8] = -100
         if kind == "holes":
             mask[1, 10:13] = 0

@@ -60,7 +60,8 @@ def tiled_step(kind: str, tile: int, lora: bool = False, checkpointing: bool | s
     "reentrant"."""
     ref, model, batch = _models(kind, lora)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     tiled = mlps_to_tile(find_pretrained(model)) if tile else []
     calls, rows = [0] * len(tiled), [0] * len(tiled)
     for i, part in enumerate(tiled):  # count each call (a forward tile, or its recompute) and the rows it got
@@ -87,8 +88,9 @@ def tiled_step(kind: str, tile: int, lora: bool = False, checkpointing: bool | s
     return {"loss_err": abs(got.item() - want.item()) / want.item(), "grad_err": grad_error(grads, ref_grads),
             "grads": len(grads), "missing": sorted(set(ref_grads) - set(grads)), "calls": calls_before,
             "eval_calls": [b - a for a, b in zip(calls_before, calls)], "tiles": [math.ceil(n / tile) for n in whole],
-            "left_after_unpatch": left, "offloaded": offloader.count if offloader else 0, "offloaded_bytes": offloader.bytes if offloader else 0,
-            "norm_saves": norm_saves.count, "hidden_bytes": local * batch["input_ids"].shape[0] * model.config.get_text_config().hidden_size * 4}
+            "left_after_unpatch": left, "offloaded": offloader.count if offloader else 0,
+            "offloaded_bytes": offloader.bytes if offloader else 0, "norm_saves": norm_saves.count,
+            "hidden_bytes": local * batch["input_ids"].shape[0] * model.config.get_text_config().hidden_size * 4}
 
 
 class _NormSaves:
@@ -133,7 +135,8 @@ def refused(kind: str, tile, offload=False) -> str | None:
     `kind` (its layers not checkpointed)."""
     from hfcp.testing.tiny import tiny_model as any_tiny_model  # (every registered family, MoE included)
 
-    model = any_tiny_model({"zero3": "llama", "mixtral_capacity": "mixtral", "mixtral_bound": "mixtral"}.get(kind, kind))
+    model = any_tiny_model(
+        {"zero3": "llama", "mixtral_capacity": "mixtral", "mixtral_bound": "mixtral"}.get(kind, kind))
     if kind in ("mixtral_capacity", "mixtral_bound"):  # experts whose rows depend on how many there are (as a
         experts = model.model.layers[0].mlp.experts  # capacity limit would; "bound": only past 8 rows)
         scale = (lambda n: n) if kind == "mixtral_capacity" else (lambda n: 1.0 if n <= 8 else 0.5)
@@ -141,7 +144,8 @@ def refused(kind: str, tile, offload=False) -> str | None:
             "forward": lambda self, h, i, w: super(capacity, self).forward(h, i, w) * scale(h.shape[0])})
         for layer in model.model.layers:
             layer.mlp.experts.__class__ = capacity
-    if kind == "zero3":  # weights gathered per sub-layer: as ZeRO-3 registers an MLP that is not a leaf (patched after it)
+    # weights gathered per sub-layer: as ZeRO-3 registers an MLP that is not a leaf (patched after it)
+    if kind == "zero3":
         model.model.layers[0].mlp.up_proj.weight.ds_id = 0
     try:
         hfcp.patch(model, timeout=60, tiled_mlp=tile, offload_checkpoints=offload)

@@ -110,7 +110,8 @@ def reward_run(per_device: int, cp_size=None, overrides=None, left_padding=False
                   dataloader_drop_last=False, include_num_input_tokens_seen="non_padding")
         kw.update(overrides or {})
         trainer = cls(model=reward_model(), args=RewardConfig(**kw), processing_class=word_tokenizer(),
-                      train_dataset=preference_rows(12, 0, margin), eval_dataset=preference_rows(6, 1, margin, streamed_eval),
+                      train_dataset=preference_rows(12, 0, margin),
+                      eval_dataset=preference_rows(6, 1, margin, streamed_eval),
                       data_collator=collator, **extra)
         trainer.train()
         metrics = trainer.evaluate()

@@ -114,7 +114,8 @@ def parallelism_config_mesh_step():
     out = model(**batches[dp_rank])
     out.loss.backward()
     return {**_errors(model, ref, out.loss.item(), ref_losses[dp_rank]), "dp": (dp_rank, dp_size),
-            "mesh_dp": mesh["dp_shard"].get_local_rank(), "cp_ranks": dist.get_process_group_ranks(mesh["cp"].get_group())}
+            "mesh_dp": mesh["dp_shard"].get_local_rank(),
+            "cp_ranks": dist.get_process_group_ranks(mesh["cp"].get_group())}
 
 
 def trainer_refuses_tp(path: str):

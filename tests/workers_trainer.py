@@ -101,7 +101,8 @@ def train_run(per_device: int, cp_size=None, strategy="ring", iterable=False, ov
         trainer.train()
         metrics = trainer.evaluate()
         pred = trainer.predict(Rows(5, seed=2))
-    return {"history": _history(trainer), "eval_loss": metrics["eval_loss"], "model_class": type(trainer.model).__name__,
+    return {"history": _history(trainer), "eval_loss": metrics["eval_loss"],
+            "model_class": type(trainer.model).__name__,
             "predictions": _logits(pred.predictions), "label_ids": torch.as_tensor(pred.label_ids),
             "total_batch": trainer.get_total_train_batch_size(trainer.args),
             "wrapped_class": type(trainer.model_wrapped).__name__}
@@ -177,8 +178,8 @@ def deepspeed_run(per_device: int, cp_size=None, accum: int = 1, options=None, f
     # machine, every CI run); marked unavailable, DeepSpeed reduces through torch.distributed (gloo) instead
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     try:
-        result = train_run(per_device, cp_size, "ring", False, {"deepspeed": ZERO3, "gradient_accumulation_steps": accum},
-                           options=options, family=family)
+        result = train_run(per_device, cp_size, "ring", False,
+                           {"deepspeed": ZERO3, "gradient_accumulation_steps": accum}, options=options, family=family)
     finally:  # DeepSpeed's process-wide settings would follow later tests in this pool process
         import deepspeed.utils.groups
 
@@ -261,7 +262,8 @@ def refused(kind: str):
             elif kind == "fsdp":
                 HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, fsdp=True, fsdp_config={"version": 2}))
             elif kind == "dispatch_batches":
-                HfcpTrainer(model=tiny_model("llama"), args=_args(out, 2, accelerator_config={"dispatch_batches": True}))
+                HfcpTrainer(model=tiny_model("llama"),
+                            args=_args(out, 2, accelerator_config={"dispatch_batches": True}))
             elif kind == "reentrant_find_unused_without_static_graph":
                 checkpointing_run(4, None, {"ddp_static_graph": False, "ddp_find_unused_parameters": True})
             elif kind == "reentrant_static_graph_accumulation":
@@ -720,4 +722,5 @@ def sft_eval_run(per_device: int, cp_size=None, kind="sized"):
                                  train_dataset=prompt_completion(4, 0), cp_size=cp_size)
         pred = trainer.predict(data)
     return {"test_loss": pred.metrics["test_loss"], "predictions": torch.as_tensor(pred.predictions),
-            "label_ids": torch.as_tensor(pred.label_ids), "targets": [int((r["labels"][1:] != -100).sum()) for r in rows]}
+            "label_ids": torch.as_tensor(pred.label_ids),
+            "targets": [int((r["labels"][1:] != -100).sum()) for r in rows]}

@@ -79,17 +79,19 @@ def tiny_vlm(kind: str, text: str | None = None):
         text = dict(model_type=f"{kind}_text", **_TEXT, **moe,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
                                      "mrope_interleaved": True})
-        cfg = (T.Qwen3VLMoeConfig if moe else T.Qwen3VLConfig)(vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64,
-                                                 num_heads=2, patch_size=2, spatial_merge_size=2,
-                                                 temporal_patch_size=2, in_channels=3, num_position_embeddings=16,
-                                                 deepstack_visual_indexes=[0, 1]),
-                              text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
-                              vision_start_token_id=START)
+        cfg = (T.Qwen3VLMoeConfig if moe else T.Qwen3VLConfig)(
+            vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64,
+                               num_heads=2, patch_size=2, spatial_merge_size=2,
+                               temporal_patch_size=2, in_channels=3, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0, 1]),
+            text_config=text, image_token_id=IMAGE, video_token_id=VIDEO,
+            vision_start_token_id=START)
         cls = T.Qwen3VLMoeForConditionalGeneration if moe else T.Qwen3VLForConditionalGeneration
     elif kind == "qwen3_5":  # Qwen3-VL's tower without deepstack; text layers gated delta nets and attention
         # partial rotary as in Qwen3.5 (half of a 16 head dim rotates: 4 frequencies, the mRoPE sections' sum)
         text = dict(model_type="qwen3_5_text", **{**_TEXT, "head_dim": 16},
-                    layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                    layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+                    linear_num_key_heads=2, linear_num_value_heads=4,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
                                      "mrope_interleaved": True, "partial_rotary_factor": 0.5})
         cfg = T.Qwen3_5Config(vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64,
@@ -188,8 +190,8 @@ def _video_batch(ids, frames_apart: bool = False) -> dict:
     types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
     return {"input_ids": ids, "labels": ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100),
             "pixel_values": torch.randn(16, 24, generator=g), "image_grid_thw": torch.tensor([[1, 4, 4]]),
-            "pixel_values_videos": torch.randn(2 * 32, 24, generator=g), "video_grid_thw": torch.tensor([[2, 4, 4]] * 2),
-            "mm_token_type_ids": types}
+            "pixel_values_videos": torch.randn(2 * 32, 24, generator=g),
+            "video_grid_thw": torch.tensor([[2, 4, 4]] * 2), "mm_token_type_ids": types}
 
 
 def _one_video_batch(ids, frames_apart: bool = False) -> dict:
@@ -203,7 +205,8 @@ def _one_video_batch(ids, frames_apart: bool = False) -> dict:
         ids[1, start:start + 4] = VIDEO
         if frames_apart and frame < 3:
             ids[1, start + 4] = 7  # Qwen3-VL's timestamp token between frames
-    return {"input_ids": ids, "labels": ids.masked_fill(ids == VIDEO, -100), "mm_token_type_ids": 2 * (ids == VIDEO).int(),
+    return {"input_ids": ids, "labels": ids.masked_fill(ids == VIDEO, -100),
+            "mm_token_type_ids": 2 * (ids == VIDEO).int(),
             "pixel_values_videos": torch.randn(4 * 16, 24, generator=g), "video_grid_thw": torch.tensor([[4, 4, 4]])}
 
 
@@ -244,7 +247,8 @@ def compare(kind: str, case: str, strategy: str = "ring", loss_chunk="auto", tex
             "same_keys": grads.keys() == ref_grads.keys(), "vision_attn": vision_attn,
             "vision_attn_unpatched": ref.config.vision_config._attn_implementation, "loss": want.item(),
             "images_seen": seen, "images": _image_count(batch),
-            "qwen_rows": qwen_patch_rows(batch, dist.get_world_size(), dist.get_rank()) if kind.startswith("qwen") else None}
+            "qwen_rows": (qwen_patch_rows(batch, dist.get_world_size(), dist.get_rank()) if kind.startswith("qwen")
+                          else None)}
 
 
 def _image_count(batch) -> int:

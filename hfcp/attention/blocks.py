@@ -231,7 +231,8 @@ def kernel_pieces(t: Tile) -> list[Tile]:
     for a in range(0, t.q_len, n):
         rows = min(n, t.q_len - a)
         below = a if t.is_causal else t.k_len  # the keys every query of the piece sees
-        pieces += [Tile(t.q_off + a, rows, t.k_off + c, min(n, below - c), softcap=t.softcap) for c in range(0, below, n)]
+        pieces += [Tile(t.q_off + a, rows, t.k_off + c, min(n, below - c), softcap=t.softcap)
+                   for c in range(0, below, n)]
         if t.is_causal:
             pieces.append(Tile(t.q_off + a, rows, t.k_off + a, rows, is_causal=True, softcap=t.softcap))
     return pieces
@@ -241,11 +242,11 @@ def forward_tiles(q, k, v, tiles: list[Tile], scale: float, out: torch.Tensor, l
     """Accumulate attention of q against k/v over `tiles` into out (B, H, Lq, D) and lse (B, H, Lq) (acc_dtype)."""
     for t in (piece for tile in tiles for piece in kernel_pieces(tile)):
         qs, ks = slice(t.q_off, t.q_off + t.q_len), slice(t.k_off, t.k_off + t.k_len)
-        o, l = kernel_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], t.mask, t.is_causal, scale, t.softcap)
+        o, piece_lse = kernel_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], t.mask, t.is_causal, scale, t.softcap)
         if t.empty_rows is not None:  # the CPU kernel reports lse 0 for such rows: give them no weight
-            l = l.masked_fill(t.empty_rows, NEG_INF)
+            piece_lse = piece_lse.masked_fill(t.empty_rows, NEG_INF)
             o = o.masked_fill(t.empty_rows[..., None], 0.0)  # and never let a kernel's NaN there reach the merge
-        merge_into(out[:, :, qs], lse[:, :, qs], o, l)
+        merge_into(out[:, :, qs], lse[:, :, qs], o, piece_lse)
 
 
 def backward_tiles(dout, q, k, v, out, lse, tiles: list[Tile], scale: float, dq, dk, dv) -> None:

@@ -1,7 +1,7 @@
 """Attention of new tokens (a decode step) against a KV cache whose tokens are spread over the CP group.
 
-Every rank holds the same new queries and the keys of its own cached tokens (hfcp/inference/kv_cache.py). Each computes the
-softmax attention of the queries over its keys alone, as (out_r, lse_r) in fp32; one all-gather of [out_r | lse_r]
+Every rank holds the same new queries and the keys of its own cached tokens (hfcp/inference/kv_cache.py). Each computes
+the softmax attention of the queries over its keys alone, as (out_r, lse_r) in fp32; one all-gather of [out_r | lse_r]
 ((B, H, n, D + 1) per rank) gives every rank all of them, and the exact result is their log-sum-exp merge:
 lse = log sum_r exp(lse_r), out = sum_r exp(lse_r - lse) out_r (an attention sink enters the denominator once,
 after the merge). Every rank merges the same gathered values in the same order, so every rank gets the same bits.

@@ -46,8 +46,8 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
         raise ValueError(
             f"{type(module).__name__} attends {query.shape[2]} queries to {key.shape[2]} keys: hfcp's context-parallel "
             "attention computes attention over the model's own tokens, one key per query outside generation's cache; "
-            "keys a model adds, drops or compresses itself cannot be split exactly over the ranks, so this model is not "
-            "supported by hfcp (see the support matrix, docs/reference/support-matrix.md)")
+            "keys a model adds, drops or compresses itself cannot be split exactly over the ranks, so this model is "
+            "not supported by hfcp (see the support matrix, docs/reference/support-matrix.md)")
     if query.shape[2] != local or key.shape[2] != local:
         raise ValueError(
             f"hfcp attention got {query.shape[2]} queries / {key.shape[2]} keys but the step layout holds "
@@ -90,9 +90,9 @@ def decode_call(module, query, key, value, step: DecodeStep, state, scaling, sli
                          "tokens would let the earlier of them see the later ones, which hfcp's decode attention does "
                          "not implement; decode one token per step (generate() does), or call hfcp.unpatch(model)")
     if chunk or not step.cache.plain_masks:
-        raise ValueError(f"{type(module).__name__}: hfcp's generation implements causal attention with sliding windows, "
-                         "softcap and sinks; this layer's mask (attention chunks or a mask built outside the model) is "
-                         "not supported in decode steps yet")
+        raise ValueError(f"{type(module).__name__}: hfcp's generation implements causal attention with sliding "
+                         "windows, softcap and sinks; this layer's mask (attention chunks or a mask built outside the "
+                         "model) is not supported in decode steps yet")
     cache, layer = step.cache, getattr(module, "layer_idx", None)
     if layer not in cache.columns or key.shape[2] != len(cache.columns[layer]):
         raise RuntimeError(f"hfcp: {type(module).__name__} (layer_idx={layer!r}) got {key.shape[2]} keys that are not "

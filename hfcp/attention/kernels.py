@@ -2,7 +2,8 @@
 
 Shapes: q (B, H, Lq, D); k, v (B, Hkv, Lk, D) with H % Hkv == 0 (GQA: K/V are never repeated before
 this point); mask None or an additive float mask broadcastable to (B, 1, Lq, Lk) in q's dtype;
-lse (B, H, Lq) float32 (float64 for a float64 model: see acc_dtype), natural log of the sum of exp(scale * q.k) over the allowed keys.
+lse (B, H, Lq) float32 (float64 for a float64 model: see acc_dtype), natural log of the sum of exp(scale * q.k) over the
+allowed keys.
 
 On CUDA, hfcp.attention.cuda_kernels: torch's flash kernel for tiles without a mask (fp16 / bf16), the
 memory-efficient kernel for masked tiles and fp32; each runs only after its self-check against the math kernel

@@ -205,11 +205,13 @@ def layer_mask(module, forms: dict | None, causal: bool, window, chunk: int | No
         outer, key = forms[None], None
     else:
         types, idx = getattr(getattr(module, "config", None), "layer_types", None), getattr(module, "layer_idx", None)
-        key = types[idx] if isinstance(idx, int) and isinstance(types, (list, tuple)) and 0 <= idx < len(types) else None
+        key = (types[idx] if isinstance(idx, int) and isinstance(types, (list, tuple)) and 0 <= idx < len(types)
+               else None)
         outer = forms.get(key)
         if outer is None:
-            raise ValueError(f"{name} (layer_idx={idx!r}) got a dict of masks {sorted(map(str, forms))} and hfcp cannot "
-                             f"tell which one applies to it (config.layer_types[{idx!r}] = {key!r}); {_TODO_OUTER}")
+            raise ValueError(f"{name} (layer_idx={idx!r}) got a dict of masks {sorted(map(str, forms))} and hfcp "
+                             f"cannot tell which one applies to it (config.layer_types[{idx!r}] = {key!r}); "
+                             f"{_TODO_OUTER}")
     want = outer.window if outer.form == "sliding" else None
     if (int(window) if window else None) != want:
         shown = "causal" if want is None else f"sliding-window causal (window {want})"

@@ -56,24 +56,24 @@ def conv_halo_bytes(batch: int, channels: int, kernel: int, cp: int, zigzag: boo
 
 
 def state_fold_bytes(batch: int, heads: int, key_dim: int, value_dim: int, cp: int, zigzag: bool = True) -> float:
-    """Per-rank bytes sent by one delta-rule layer (hfcp/mixers/state_fold.py) in one training step: each run's final state
-    and transition, [S_loc | M] (heads x key_dim x (value_dim + key_dim), fp32), all-gathered forward, their
+    """Per-rank bytes sent by one delta-rule layer (hfcp/mixers/state_fold.py) in one training step: each run's final
+    state and transition, [S_loc | M] (heads x key_dim x (value_dim + key_dim), fp32), all-gathered forward, their
     gradient reduce-scattered backward. Independent of the sequence length."""
     piece = _runs(zigzag) * batch * heads * key_dim * (value_dim + key_dim)
     return 2 * (cp - 1) * piece * FP32
 
 
 def scalar_fold_bytes(batch: int, heads: int, head_dim: int, state: int, cp: int, zigzag: bool = True) -> float:
-    """Per-rank bytes sent by one Mamba-2 layer's scan (hfcp/mixers/state_fold.py, a scalar decay per head) in one training
-    step: each run's final state (heads x head_dim x state, fp32) and total log decay (one per head), all-gathered
-    forward, their gradient reduce-scattered backward. Independent of the sequence length."""
+    """Per-rank bytes sent by one Mamba-2 layer's scan (hfcp/mixers/state_fold.py, a scalar decay per head) in one
+    training step: each run's final state (heads x head_dim x state, fp32) and total log decay (one per head),
+    all-gathered forward, their gradient reduce-scattered backward. Independent of the sequence length."""
     piece = _runs(zigzag) * batch * heads * (head_dim * state + 1)
     return 2 * (cp - 1) * piece * FP32
 
 
 def channel_fold_bytes(batch: int, channels: int, state: int, cp: int, zigzag: bool = True) -> float:
-    """Per-rank bytes sent by one Mamba 1 layer's scan (hfcp/mixers/state_fold.py, a decay per channel and state index) in
-    one training step: each run's final state (channels x state, fp32) and total step per channel, all-gathered
+    """Per-rank bytes sent by one Mamba 1 layer's scan (hfcp/mixers/state_fold.py, a decay per channel and state index)
+    in one training step: each run's final state (channels x state, fp32) and total step per channel, all-gathered
     forward, their gradient reduce-scattered backward. Independent of the sequence length."""
     piece = _runs(zigzag) * batch * channels * (state + 1)
     return 2 * (cp - 1) * piece * FP32

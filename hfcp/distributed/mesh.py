@@ -26,7 +26,8 @@ class Mesh:
     cp_rank: int
     dp_size: int  # groups of ranks that share a batch (CP x TP groups)
     dp_rank: int
-    cp_groups: tuple[tuple[int, ...], ...]  # the global ranks of every CP group of the world, in the same order everywhere
+    # the global ranks of every CP group of the world, in the same order everywhere
+    cp_groups: tuple[tuple[int, ...], ...]
     data_leaders: tuple[int, ...]  # the first global rank of each data-parallel group, by dp_rank
 
 

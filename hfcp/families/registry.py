@@ -57,8 +57,8 @@ class Patcher:
         mixers: sequence mixers other than attention that the record makes exact, as (class name, make_forward):
             `make_forward(state, module, step_of)` checks the module (raising ValueError to refuse it, at patch time)
             and returns the forward hfcp binds to it while patched; `step_of()` gives the step of the current call,
-            also when gradient checkpointing recomputes it (hfcp/mixers/binding.py). The model checks accept these classes
-            beside the attention classes.
+            also when gradient checkpointing recomputes it (hfcp/mixers/binding.py). The model checks accept these
+            classes beside the attention classes.
         token_wise_classes: class names of modules that the record knows compute each token alone (Nemotron-H's
             MLP and MoE blocks, RecurrentGemma's MLP): a decoder layer whose children are all of these or norms
             passes the model checks without a mixer (every other layer must hold an attention module or one of

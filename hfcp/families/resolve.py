@@ -57,8 +57,8 @@ def patcher_for(inner: PreTrainedModel) -> Patcher:
         patcher = dataclasses.replace(patcher, language_model=module_with_config(inner, inner.config.get_text_config())
                                       or "")
         if not patcher.language_model:
-            raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}): hfcp found no "
-                                        "single module whose config is its text config (the language model)")
+            raise UnsupportedModelError(f"{type(inner).__name__} (model_type={inner.config.model_type!r}): hfcp found "
+                                        "no single module whose config is its text config (the language model)")
     if patcher.vision_tower == "auto":  # the module whose config is the vision config, split if its type is known to
         vision = getattr(inner.config, "vision_config", None)  # encode each image alone (else it runs whole)
         patcher = dataclasses.replace(patcher, vision_tower=(module_with_config(inner, vision) or "")
@@ -308,5 +308,6 @@ def attention_group(inner: PreTrainedModel, plan: Plan, mesh, settings):
     if u is not None:
         return build_usp_groups(mesh.cp_groups, u, settings.timeout)
     if settings.ulysses_size is not None and strategy != "usp":
-        raise ValueError(f"ulysses_size={settings.ulysses_size!r} applies to strategy='usp' only (strategy={strategy!r})")
+        raise ValueError(f"ulysses_size={settings.ulysses_size!r} applies to strategy='usp' only "
+                         f"(strategy={strategy!r})")
     return mesh.cp_group

@@ -52,8 +52,8 @@ def check_input_dims(ids: torch.Tensor | None, embeds: torch.Tensor | None) -> N
         raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(x.shape)}: a batch "
                          "of no rows; skip the empty batch (or give the model at least one row)")
     if x is not None and x.shape[1] == 0:
-        raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(x.shape)}: no tokens; "
-                         "skip the empty batch (or give the model at least one token per row)")
+        raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(x.shape)}: no "
+                         "tokens; skip the empty batch (or give the model at least one token per row)")
 
 
 def check_call(kw: dict) -> dict | None:
@@ -139,9 +139,9 @@ def _token_labels(module, kw: dict):
 
 def take_packed_lengths(kw: dict, batch: int, length: int) -> None:
     """Padding-free collators (DataCollatorWithFlattening, TRL's) pass `cu_seq_lens_q/k` and `max_length_q/k` for
-    flash attention, or `seq_idx`, beside position_ids. hfcp finds documents from position_ids (as transformers' SDPA path does),
-    so it checks that both describe the same documents, fills position_ids when only the lengths are given, and
-    pops them (they describe the whole sequence, not a rank's shard)."""
+    flash attention, or `seq_idx`, beside position_ids. hfcp finds documents from position_ids (as transformers' SDPA
+    path does), so it checks that both describe the same documents, fills position_ids when only the lengths are given,
+    and pops them (they describe the whole sequence, not a rank's shard)."""
     cu_q, cu_k = kw.pop("cu_seq_lens_q", None), kw.pop("cu_seq_lens_k", None)
     kw.pop("max_length_q", None), kw.pop("max_length_k", None)
     seq_idx = kw.pop("seq_idx", None)  # (B, L) document index of each token (TRL's padding-free collator)
@@ -225,4 +225,5 @@ def check_length_limit(patcher, config, layout: Layout) -> None:
     limit = patcher.max_seq_len(config) if patcher.max_seq_len is not None else None
     if limit is not None and layout.padded_len > limit:
         raise ValueError(f"model_type={patcher.model_type!r}: {layout.seq_len} tokens ({layout.padded_len} padded for "
-                         f"cp={layout.cp_size}) exceed the {limit} hfcp runs exactly for it: {patcher.max_seq_len_reason}")
+                         f"cp={layout.cp_size}) exceed the {limit} hfcp runs exactly for it: "
+                         f"{patcher.max_seq_len_reason}")

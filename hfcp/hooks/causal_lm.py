@@ -235,8 +235,9 @@ class LossHook(ModelHook):
             return None
         logits, st.fwd.router_logits = st.fwd.router_logits, None
         if not logits:
-            raise ValueError(f"{type(module).__name__} recorded no router logits with output_router_logits=True (no MoE "
-                             "layer ran?), so hfcp cannot compute the router aux loss; leave output_router_logits off")
+            raise ValueError(f"{type(module).__name__} recorded no router logits with output_router_logits=True (no "
+                             "MoE layer ran?), so hfcp cannot compute the router aux loss; "
+                             "leave output_router_logits off")
         sb = st.step
         B = logits[0].numel() // (sb.layout.local_len * st.router_aux.num_experts)
         valid = torch.ones(B, sb.layout.local_len, device=logits[0].device)

@@ -38,8 +38,8 @@ def check_attention_ran(state, module) -> None:
     missed = [m for m in expected if id(m) not in state.fwd.attention_calls]
     if missed:
         raise RuntimeError(
-            f"{len(missed)} of {len(expected)} attention modules of {type(module).__name__} ({type(missed[0]).__name__}) "
-            f"ran this forward without hfcp's attention (attn_implementation is now "
+            f"{len(missed)} of {len(expected)} attention modules of {type(module).__name__} "
+            f"({type(missed[0]).__name__}) ran this forward without hfcp's attention (attn_implementation is now "
             f"{module.config._attn_implementation!r}), so they attended within this rank's shard only and the outputs "
             "are wrong. Do not change the attention implementation of a patched model: hfcp.unpatch(model) first"
         )

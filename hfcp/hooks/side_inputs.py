@@ -36,8 +36,8 @@ def check_side_inputs(module, kw: dict, pairs, batch_len) -> None:
                                  "they are: hfcp cannot split them")
             continue
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != tuple(batch_len):
-            raise ValueError(f"{type(module).__name__}: {mask_name} must be a bool tensor of the merged sequence's shape "
-                             f"{tuple(batch_len)}, got {getattr(mask, 'dtype', type(mask).__name__)} "
+            raise ValueError(f"{type(module).__name__}: {mask_name} must be a bool tensor of the merged sequence's "
+                             f"shape {tuple(batch_len)}, got {getattr(mask, 'dtype', type(mask).__name__)} "
                              f"{tuple(getattr(mask, 'shape', ()))}")
         n = int(mask.sum())
         for t in (rows if isinstance(rows, (list, tuple)) else [rows] if rows is not None else []):

@@ -157,7 +157,8 @@ class TowerSplitHook(ModelHook):
         if not isinstance(patches, torch.Tensor) or patches.shape[0] != total:
             raise ValueError(f"{type(module).__name__}: {total} patches in grid_thw but pixel rows of shape "
                              f"{tuple(getattr(patches, 'shape', ()))}")
-        if self.frames_alone and grid.dim() == 2 and grid.shape[-1] == 3:  # each frame a unit: (t, h, w) -> t x (1, h, w)
+        # each frame a unit: (t, h, w) -> t x (1, h, w)
+        if self.frames_alone and grid.dim() == 2 and grid.shape[-1] == 3:
             grid = torch.cat([torch.ones_like(grid[:, :1]), grid[:, 1:]], 1).repeat_interleave(grid[:, 0], dim=0)
         sizes = grid.prod(-1).tolist()  # patches per unit
         n = len(sizes)

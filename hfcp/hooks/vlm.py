@@ -29,7 +29,8 @@ from .side_inputs import check_side_inputs, shard_side_inputs, side_input_names
 LANGUAGE_MODEL_INPUTS = frozenset({"input_ids", "inputs_embeds", "position_ids", "attention_mask", "use_cache",
                                    "cache", "past_key_values", "return_dict", "output_attentions",
                                    "output_hidden_states", "cache_position", "logits_to_keep",
-                                   "output_router_logits"})  # (an MoE language model's: hfcp's aux loss, loss/router.py)
+                                   # (an MoE language model's: hfcp's aux loss, loss/router.py)
+                                   "output_router_logits"})
 
 
 def find_language_model(model, path: str) -> torch.nn.Module | None:
@@ -66,16 +67,17 @@ class LanguageModelHook(ModelHook):
             return args, kwargs
         layout, st.fwd.pending_layout = st.fwd.pending_layout, None
         if layout is None:
-            raise RuntimeError(f"{type(module).__name__} is the language model of a hfcp-patched vision-language model: "
-                               "call the patched outer model, whose hook checks the batch and computes the loss")
+            raise RuntimeError(f"{type(module).__name__} is the language model of a hfcp-patched vision-language "
+                               "model: call the patched outer model, whose hook checks the batch and computes the loss")
         kw = as_kwargs(module, args, kwargs)
         embeds = kw.get("inputs_embeds")
         if kw.get("input_ids") is not None or embeds is None or embeds.dim() != 3:
-            raise ValueError(f"{type(module).__name__} got input_ids / no (batch, seq, hidden) inputs_embeds: hfcp shards a "
-                             "vision-language model's merged sequence, which its outer model passes as inputs_embeds")
+            raise ValueError(f"{type(module).__name__} got input_ids / no (batch, seq, hidden) inputs_embeds: hfcp "
+                             "shards a vision-language model's merged sequence, "
+                             "which its outer model passes as inputs_embeds")
         if embeds.shape[1] != layout.seq_len:
-            raise ValueError(f"the merged sequence has {embeds.shape[1]} tokens but input_ids had {layout.seq_len}: hfcp "
-                             "splits the sequence as input_ids give it (image tokens expanded by the processor)")
+            raise ValueError(f"the merged sequence has {embeds.shape[1]} tokens but input_ids had {layout.seq_len}: "
+                             "hfcp splits the sequence as input_ids give it (image tokens expanded by the processor)")
         pairs = st.patcher.token_side_inputs
         known = LANGUAGE_MODEL_INPUTS | side_input_names(pairs)
         side = sorted(k for k, v in kw.items() if k not in known and v is not None and v is not False)

@@ -40,15 +40,16 @@ def generation_cache(state, module, kw: dict, shards: bool) -> ShardedKVCache | 
                          "recurrent layers do not carry their states into decode steps under hfcp yet; call "
                          "hfcp.unpatch(model) to generate")
     if kw.get("labels") is not None:
-        raise ValueError("a KV cache with labels: a training or evaluation forward runs without a cache (use_cache=False)")
+        raise ValueError("a KV cache with labels: a training or evaluation forward runs without a cache "
+                         "(use_cache=False)")
     if isinstance(given, ShardedKVCache):
         return given
     if given is not None and not (type(given) is DynamicCache and given.get_seq_length() == 0
                                   and not getattr(given, "offloading", False)):
         raise ValueError(f"a {type(given).__name__} holding {given.get_seq_length()} tokens on a patched model: hfcp "
-                         "generates with its own cache spread over the CP group (hfcp.inference.kv_cache.ShardedKVCache), which "
-                         "it makes from the prompt; pass no cache, or an empty DynamicCache (not static, offloaded or "
-                         "quantized)")
+                         "generates with its own cache spread over the CP group "
+                         "(hfcp.inference.kv_cache.ShardedKVCache), which it makes from the prompt; pass no cache, or "
+                         "an empty DynamicCache (not static, offloaded or quantized)")
     parameters = forward_parameters(module)
     if "logits_to_keep" not in parameters and not kw.get(LAST_LOGITS):  # (a forward with a cache, not generate()'s)
         raise ValueError(f"hfcp: {type(module).__name__}.forward takes no logits_to_keep, so a forward with a cache "

@@ -63,12 +63,13 @@ class ShardedKVCache(Cache):
     def begin_prefill(self, step) -> None:
         """The prompt forward: keep this rank's tokens of the step (hfcp's end padding among them, as padding)."""
         if self.seen:
-            raise ValueError(f"hfcp: a prompt forward with a cache that already holds {self.seen} columns: hfcp's cache "
-                             "takes one prompt, then decode steps")
+            raise ValueError(f"hfcp: a prompt forward with a cache that already holds {self.seen} columns: hfcp's "
+                             "cache takes one prompt, then decode steps")
         if step.doc_ids is not None:  # (every rank holds the same batch: every rank raises)
             raise ValueError("hfcp: a prompt of packed documents (position_ids that restart inside a row) with a KV "
                              "cache: transformers attends across them when it has a cache, hfcp's prefill would keep "
-                             "them apart and its decode steps would not; pass one document per row (or use_cache=False)")
+                             "them apart and its decode steps would not; "
+                             "pass one document per row (or use_cache=False)")
         columns, valid = step.local_index.clone(), step.key_valid
         self._new_columns = columns
         self._new_valid = (valid.index_select(1, columns.to(valid.device)) if valid is not None

@@ -28,7 +28,8 @@ def reentrant_checkpointing(args, model) -> bool:
     """Whether training checkpoints with reentrant autograd: asked for by the TrainingArguments (the Trainer enables
     it in train()), or enabled on the model already (torch's default when use_reentrant is not given: True)."""
     on = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
-    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
+    kwargs = (getattr(args, "activation_checkpointing_kwargs", None)
+              or getattr(args, "gradient_checkpointing_kwargs", None))
     if on and isinstance(kwargs, dict) and kwargs.get("use_reentrant"):
         return True
     if model is None:

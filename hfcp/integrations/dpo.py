@@ -30,8 +30,8 @@ class HfcpDPOTrainer(HfcpTrainerMixin, DPOTrainer):
     """`trl.DPOTrainer` for a context-parallel model: every argument of DPOTrainer, plus hfcp.patch's options.
 
     Args:
-        cp_size, strategy, loss_chunk, timeout, check_inputs, balance, tiled_mlp: as for HfcpTrainer (passed to `hfcp.patch`). The
-            reference model (`ref_model=`) is patched with the policy's CP groups and settings.
+        cp_size, strategy, loss_chunk, timeout, check_inputs, balance, tiled_mlp: as for HfcpTrainer (passed to
+            `hfcp.patch`). The reference model (`ref_model=`) is patched with the policy's CP groups and settings.
     Logged as by DPOTrainer: loss, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
     logps/chosen, logps/rejected, logits/chosen, logits/rejected, entropy, mean_token_accuracy, num_tokens (each DP
     group counted once).

@@ -118,7 +118,8 @@ class EvaluationMixin:
         repeated = torch.arange(dp_rank * b, (dp_rank + 1) * b) >= remainder
         if not bool(repeated.any()):
             return inputs
-        masked = {k: t.masked_fill(repeated.to(t.device).view(-1, *[1] * (t.dim() - 1)), -100) for k, t in targets.items()}
+        masked = {k: t.masked_fill(repeated.to(t.device).view(-1, *[1] * (t.dim() - 1)), -100)
+                  for k, t in targets.items()}
         return {**inputs, **masked}
 
     def evaluation_loop(self, dataloader, *args, **kwargs):

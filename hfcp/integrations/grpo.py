@@ -18,7 +18,8 @@ from __future__ import annotations
 try:
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("hfcp.integrations.HfcpGRPOTrainer needs TRL: pip install 'hfcp[trl]' (or pip install trl)") from e
+    raise ImportError("hfcp.integrations.HfcpGRPOTrainer needs TRL: "
+                      "pip install 'hfcp[trl]' (or pip install trl)") from e
 
 import dataclasses
 import inspect
@@ -45,8 +46,8 @@ def settings_problems(args, given: dict) -> list[str]:
     """What HfcpGRPOTrainer refuses in its arguments, before GRPOTrainer's __init__ starts anything (vLLM, say)."""
     problems = []
     if args.use_vllm:
-        problems.append("use_vllm=True (vLLM generates with its own engine and KV cache, which hfcp does not spread over "
-                        "the CP group, so each rank's engine would hold the whole prompt; set use_vllm=False: the "
+        problems.append("use_vllm=True (vLLM generates with its own engine and KV cache, which hfcp does not spread "
+                        "over the CP group, so each rank's engine would hold the whole prompt; set use_vllm=False: the "
                         "completions then come from the policy's generate() with its KV cache spread over the group)")
     if args.use_transformers_continuous_batching:
         problems.append("use_transformers_continuous_batching=True (its paged cache is not hfcp's cache spread over "
@@ -64,7 +65,8 @@ def settings_problems(args, given: dict) -> list[str]:
         problems.append("use_liger_kernel=True (its kernels replace modules hfcp runs under CP; not verified)")
     if args.entropy_coef or args.use_adaptive_entropy:
         problems.append(f"entropy_coef={args.entropy_coef} / use_adaptive_entropy={args.use_adaptive_entropy} (the "
-                        "entropy bonus needs the entropy's gradient; hfcp computes the entropy as a metric, without one)")
+                        "entropy bonus needs the entropy's gradient; "
+                        "hfcp computes the entropy as a metric, without one)")
     if args.ddp_find_unused_parameters:
         problems.append("ddp_find_unused_parameters=True (DDP would mark the output head unused when the forward "
                         "returns: hfcp runs the head after it, chunk by chunk; leave it unset)")
@@ -119,8 +121,8 @@ class HfcpGRPOTrainer(HfcpTrainerMixin, GRPOTrainer):
     hfcp.patch's options.
 
     Args:
-        cp_size, strategy, loss_chunk, timeout, check_inputs, balance, tiled_mlp: as for HfcpTrainer (passed to `hfcp.patch`; the
-            reference model, when TRL makes one, is patched alike).
+        cp_size, strategy, loss_chunk, timeout, check_inputs, balance, tiled_mlp: as for HfcpTrainer (passed to
+            `hfcp.patch`; the reference model, when TRL makes one, is patched alike).
     Logged per step as by GRPOTrainer (completion lengths, rewards, entropy, kl, clip ratios, ...), and by
     evaluate(), each DP group counted once.
     Raises:

@@ -89,8 +89,8 @@ class HfcpTrainerMixin(EvaluationMixin):
                             "causal-LM loss over the whole sequence)")
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if args.fsdp and plugin is None:
-            problems.append("fsdp is set but accelerate did not enable FSDP (it does only on accelerators such as GPUs; "
-                            "here the model would be replicated, not sharded): use DeepSpeed ZeRO-3, or torch's "
+            problems.append("fsdp is set but accelerate did not enable FSDP (it does only on accelerators such as "
+                            "GPUs; here the model would be replicated, not sharded): use DeepSpeed ZeRO-3, or torch's "
                             "fully_shard in your own loop as scripts/finetune_lora.py --full-finetune does")
         if plugin is not None and plugin.fsdp_version != 2:
             problems.append(f"FSDP version {plugin.fsdp_version} (hfcp supports FSDP2, whose dynamic model class it "
@@ -99,10 +99,12 @@ class HfcpTrainerMixin(EvaluationMixin):
             problems.append(f"neftune_noise_alpha={args.neftune_noise_alpha} (NEFTune sizes its noise by the sequence "
                             "length it sees, which is a rank's shard under CP)")
         if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
-            problems.append("train_sampling_strategy='batch_rebalance' (its sampler shards by process, not by CP group)")
+            problems.append("train_sampling_strategy='batch_rebalance' "
+                            "(its sampler shards by process, not by CP group)")
         if args.accelerator_config.split_batches:
-            problems.append("accelerator_config.split_batches=True (the Trainer would weight eval losses by the unsplit "
-                            "batch size; set per_device_train_batch_size to the batch of each CP group instead)")
+            problems.append("accelerator_config.split_batches=True (the Trainer would weight eval losses by the "
+                            "unsplit batch size; "
+                            "set per_device_train_batch_size to the batch of each CP group instead)")
         if args.accelerator_config.dispatch_batches:
             problems.append("accelerator_config.dispatch_batches=True (rank 0 would dispatch one batch per process; "
                             "hfcp needs one per CP group: leave it unset)")
@@ -143,8 +145,8 @@ class HfcpTrainerMixin(EvaluationMixin):
             except ValueError as e:
                 if view is None:
                     raise
-                raise ValueError(f"{describe(layout)}: hfcp does its cp dimension and hands accelerate {describe(view)} "
-                                 f"(FSDP2 over dp_shard x cp), which accelerate refused: {e}") from e
+                raise ValueError(f"{describe(layout)}: hfcp does its cp dimension and hands accelerate "
+                                 f"{describe(view)} (FSDP2 over dp_shard x cp), which accelerate refused: {e}") from e
         kept = self.accelerator.parallelism_config
         if layout is not None and kept is not None and (kept.cp_enabled or kept.sp_enabled):
             raise ValueError(f"accelerate kept {describe(kept)}, not what hfcp handed it, so torch's CP would run "
@@ -177,10 +179,10 @@ class HfcpTrainerMixin(EvaluationMixin):
         shards = getattr(data_loader.dataset, "n_shards", None)
         if dp_size > 1 and isinstance(shards, int) and shards >= dp_size:  # decided alike on every rank
             raise ValueError(
-                f"a {type(data_loader.dataset).__name__} with n_shards={shards} over {dp_size} DP groups: accelerate would "
-                "give each DP group whole shards, so the groups could get different numbers of batches (one would "
-                "wait for the others at its next collective) and other batches than one process; pass a map-style "
-                f"dataset, or an iterable one with fewer than {dp_size} shards")
+                f"a {type(data_loader.dataset).__name__} with n_shards={shards} over {dp_size} DP groups: accelerate "
+                "would give each DP group whole shards, so the groups could get different numbers of batches (one "
+                "would wait for the others at its next collective) and other batches than one process; pass a "
+                f"map-style dataset, or an iterable one with fewer than {dp_size} shards")
         seeding = data_loader.worker_init_fn
         if isinstance(seeding, functools.partial) and "rank" in seeding.keywords:  # the Trainer's seed_worker:
             data_loader.worker_init_fn = functools.partial(seeding, rank=dp_rank)  # same worker seeds in a CP group
@@ -229,7 +231,8 @@ class HfcpTrainerMixin(EvaluationMixin):
         if isinstance(outputs, dict) and outputs.get("loss") is None:
             raise ValueError(f"the model returned no loss (inputs: {sorted(inputs)}); pass labels")
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
-        if self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+        if (self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs
+                and num_items_in_batch is not None):
             loss = loss * data_parallel_rank_and_size(self.model)[1]  # the reducer averages over dp x cp ranks
         return (loss, outputs) if return_outputs else loss
 
@@ -260,7 +263,8 @@ class HfcpTrainerMixin(EvaluationMixin):
     def _track_num_input_tokens(self, inputs):
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)  # gathered over all processes: each batch counted by all its sharers
-        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self._hfcp_batch_sharers
+        self.state.num_input_tokens_seen = before + ((self.state.num_input_tokens_seen - before)
+                                                     // self._hfcp_batch_sharers)
 
     def floating_point_ops(self, inputs) -> int:
         return super().floating_point_ops(inputs) if self._hfcp_cp[0] == 0 else 0  # summed over processes
@@ -269,9 +273,9 @@ class HfcpTrainer(HfcpTrainerMixin, Trainer):
     """`transformers.Trainer` for a context-parallel model: every argument of Trainer, plus hfcp.patch's options.
 
     Args:
-        cp_size, strategy, loss_chunk, timeout, check_inputs, balance, tiled_mlp: passed to `hfcp.patch` when the model is not
-            patched yet; an option not given takes hfcp.patch's default (ring, "auto" chunked loss, ...). A model patched
-            already keeps its settings, and an option given that differs from them is refused. With accelerate's
+        cp_size, strategy, loss_chunk, timeout, check_inputs, balance, tiled_mlp: passed to `hfcp.patch` when the model
+            is not patched yet; an option not given takes hfcp.patch's default (ring, "auto" chunked loss, ...). A model
+            patched already keeps its settings, and an option given that differs from them is refused. With accelerate's
             ParallelismConfig (TrainingArguments.parallelism_config, or accelerate launch's), the CP size is its
             cp_size (a cp_size given here must agree; None: the whole world).
     Logged as by Trainer, and under CP (cp_size > 1) `cp_imbalance` with each training loss: the mean over the steps

@@ -154,7 +154,8 @@ class StepBatch:
     outer_masks: dict | None = None  # forms of masks an outer model built ({layer type: OuterMask}), checked per layer
     blocks: torch.Tensor | None = None  # (B, padded_len) long bidirectional block ids of those masks (-1: none)
     plans: dict = field(default_factory=dict)  # attention block plans, cached for all layers of the step
-    work: torch.Tensor | None = None  # (padded_len,) attention work of each position (hfcp.work.step_work), once counted
+    # (padded_len,) attention work of each position (hfcp.work.step_work), once counted
+    work: torch.Tensor | None = None
 
     @property
     def local_index(self) -> torch.Tensor:

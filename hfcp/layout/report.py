@@ -73,7 +73,8 @@ def balance_report(model, cp_size: int | None = None, balance: str | None = None
         attention_work counts the allowed query-key pairs of each rank's queries under the model's masks (causal,
         sliding windows, attention chunks, documents, key padding), summed over the batch's rows and the model's
         attention layers (under "ulysses" and "usp", whose all-to-all gives every rank of a Ulysses group all of the
-        group's queries for a share of the heads: the group's mean); bytes_per_layer is what a rank sends per attention layer in one training step.
+        group's queries for a share of the heads: the group's mean); bytes_per_layer is what a rank sends per attention
+        layer in one training step.
     Raises:
         ValueError: an unknown balance, no cp_size for an unpatched model, a batch without input_ids or inputs_embeds
             or of a shape the forward refuses (not (batch, seq), no rows, no tokens).

@@ -1,8 +1,8 @@
 """Per-sequence log-probabilities of given target tokens (what DPO, KTO, GRPO read) without whole logits.
 
-`sequence_logps` runs a causal LM to its last hidden states (head_input.py), then takes log p(target) chunk by chunk through the head
-(target_logps.py). Under CP the hidden states and targets are this rank's tokens; each row's sum is all-reduced over
-the CP group.
+`sequence_logps` runs a causal LM to its last hidden states (head_input.py), then takes log p(target) chunk by chunk
+through the head (target_logps.py). Under CP the hidden states and targets are this rank's tokens; each row's sum is
+all-reduced over the CP group.
 """
 from __future__ import annotations
 
@@ -116,8 +116,8 @@ def sequence_logps(model, input_ids: torch.Tensor | None = None, labels: torch.T
             hfcp cannot read (an unrecognised logit transform, a tensor-parallel head), DDP with
             find_unused_parameters=True, labels / logits_to_keep /
             hfcp_loss_chunk among model_kwargs, a bad temperature or chunk; after the same-batch check: no input_ids
-            nor inputs_embeds, inputs_embeds without labels, labels or mask of the wrong shape, a label outside the vocabulary, a mask with values other than 0 / 1, ranks of a
-            CP group with different labels or mask.
+            nor inputs_embeds, inputs_embeds without labels, labels or mask of the wrong shape, a label outside the
+            vocabulary, a mask with values other than 0 / 1, ranks of a CP group with different labels or mask.
     """
     inner = find_pretrained(model)
     state = cp_state(inner)

@@ -95,7 +95,8 @@ class LayerSteps:
         if torch._C._current_autograd_node() is not None:
             raise ValueError("hfcp: a sequence mixer recomputed in backward by a checkpoint function hfcp does not "
                              "know: it cannot tell which forward's layout the recompute belongs to. Use transformers' "
-                             "model.gradient_checkpointing_enable() or torch's checkpoint_wrapper on the decoder layers")
+                             "model.gradient_checkpointing_enable() "
+                             "or torch's checkpoint_wrapper on the decoder layers")
         step = self.state.step
         if step is None:
             raise RuntimeError("hfcp: a sequence mixer ran outside a forward of the patched model: call the patched "

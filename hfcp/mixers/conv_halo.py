@@ -36,7 +36,8 @@ def causal_depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     tails = torch.cat([x[..., at + n - (k - 1):at + n] for at, (_, n) in zip(starts, ranges)], -1)
     table = all_gather(tails, group, -1)  # every range's last k-1 inputs, in layout.all_ranges() order
     table = torch.cat([table, table.new_zeros(table.shape[:-1] + (1,))], -1)  # the last column: before position 0
-    column = {g + n - (k - 1) + j: i * (k - 1) + j for i, (g, n) in enumerate(layout.all_ranges()) for j in range(k - 1)}
+    column = {g + n - (k - 1) + j: i * (k - 1) + j
+              for i, (g, n) in enumerate(layout.all_ranges()) for j in range(k - 1)}
     zero = table.shape[-1] - 1
     out = []
     for at, (first, n) in zip(starts, ranges):

@@ -200,8 +200,8 @@ def gated_sum_over_ranks(scan: Callable, gate: torch.Tensor, per_token: dict, st
     runs, width = count * gate.shape[0], gate.shape[-1]
     if tuple(final.shape) != (runs, width) or tuple(out.shape[::2]) != (runs, width):
         raise RuntimeError(f"hfcp: the scan returned a final state of shape {tuple(final.shape)} and an output of "
-                           f"{tuple(out.shape)}, not ({runs}, {width}) and ({runs}, tokens, {width}): not the form hfcp "
-                           "folds")
+                           f"{tuple(out.shape)}, not ({runs}, {width}) and ({runs}, tokens, {width}): not the form "
+                           "hfcp folds")
     running = _runs(gate, count).to(f32).cumprod(1)  # (runs*B, n, W)
     mine = torch.cat([final.to(f32), running[:, -1]], -1)  # (runs*B, 2W)
     table = all_gather(mine.reshape(count, -1, 2 * width), group, 0)  # (runs*cp, B, 2W)

@@ -227,7 +227,8 @@ class PipelineRunner:
             raise ValueError(f"hfcp.pipeline: {rows} rows do not divide into n_microbatches={self.microbatches}; pass "
                              f"a multiple of {self.microbatches} rows (or another n_microbatches)")
         if need_labels and batch.get("labels") is None:
-            raise ValueError("hfcp.pipeline: step() and eval_step() need labels (the loss is computed on the last stage)")
+            raise ValueError("hfcp.pipeline: step() and eval_step() need labels "
+                             "(the loss is computed on the last stage)")
         other = sorted(k for k in ("num_items_in_batch", "ignore_index", "shift_labels") if batch.get(k) is not None)
         if other:  # the step counts the batch's targets itself: labels[:, 1:] != -100
             raise ValueError(f"hfcp.pipeline: {', '.join(other)} passed to a step: the step computes the loss over the "

@@ -16,9 +16,10 @@ TINY = dict(
     # mixture of experts: few, small experts, the router aux loss on and weighted so that it matters
     output_router_logits=True, router_aux_loss_coef=1.0, aux_loss_coef=1.0,
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-    shared_expert_intermediate_size=16, moe_shared_expert_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0, moe_layer_freq=1,
-    decoder_sparse_step=1, n_group=1, topk_group=1,
-    # MLA (DeepSeek-style) dimensions, small, with the value head dim (12) other than the query/key one (16); RoPE over head_dim (8)
+    shared_expert_intermediate_size=16, moe_shared_expert_intermediate_size=16, n_shared_experts=1,
+    first_k_dense_replace=0, moe_layer_freq=1, decoder_sparse_step=1, n_group=1, topk_group=1,
+    # MLA (DeepSeek-style) dimensions, small, with the value head dim (12) other than the query/key one (16);
+    # RoPE over head_dim (8)
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
     # Kimi's KDA mixer: few, small heads (its default, 32 heads of 128, was 40% of the family sweep's time). The gated
     # delta rule's families (Qwen3-Next and its kin) keep their default heads: its fp32 rounding under CP depends on

@@ -178,7 +178,8 @@ def audio_batch(model, length: int = 48, valid=None) -> dict:
     for (row, at), count in zip(starts, n):
         ids[row, at:at + count] = AUDIO
         if marks[0] is not None:  # each clip between its start and end tokens, where the model has them
-            ids[row, at - 1], ids[row, at + count] = marks[0], marks[1] if marks[1] is not None else ids[row, at + count]
+            ids[row, at - 1], ids[row, at + count] = (marks[0],
+                                                      marks[1] if marks[1] is not None else ids[row, at + count])
     if (ids == AUDIO).sum() != sum(n):
         raise ValueError(f"clips of {n} tokens overlap in rows of {L}")
     out["labels"] = ids.masked_fill(ids == AUDIO, -100)

@@ -104,7 +104,8 @@ def _pixel_variants(model) -> list[dict]:
     v = model.config.vision_config
     if _accepts(model, "image_grid_thw"):
         rows = getattr(v, "in_channels", 3) * getattr(v, "temporal_patch_size", 1) * getattr(v, "patch_size", 4) ** 2
-        return [{"pixel_values": torch.randn(2 * 16, rows, generator=g), "image_grid_thw": torch.tensor([[1, 4, 4]] * 2)}]
+        return [{"pixel_values": torch.randn(2 * 16, rows, generator=g),
+                 "image_grid_thw": torch.tensor([[1, 4, 4]] * 2)}]
     size = v.image_size if isinstance(v.image_size, int) else v.image_size[0]
     images = torch.randn(2, getattr(v, "num_channels", 3), size, size, generator=g)
     sizes = torch.tensor([[size, size]] * 2)
