@@ -13,6 +13,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist_pool import DistPool  # noqa: E402
 
+# what a quick loop (pytest -m "not sweep and not e2e") leaves out: the sweeps over every family transformers ships,
+# and the end-to-end runs of the job, the scripts and the hfcp command in processes of their own
+SWEEP_FIXTURES = {"sweep"}  # test_families.py, test_audio.py, test_vlm_sweep.py: one pool run over every type
+SWEEP_FILES = {"test_families.py", "test_vlm_sweep.py"}
+E2E_FILES = {"test_scripts.py", "test_finetune.py", "test_full_finetune.py", "test_bench.py", "test_pipeline_job.py",
+             "test_real_model.py", "test_verify.py", "test_packaging.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.name
+        if name in SWEEP_FILES or SWEEP_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.sweep)
+        if name in E2E_FILES:
+            item.add_marker(pytest.mark.e2e)
+
 
 # non-daemon workers may start processes of their own (DataLoader workers); the teardown closes them
 @pytest.fixture(scope="session")
