@@ -22,6 +22,8 @@ import functools
 import torch
 from torch import nn
 
+from .state import check_offload_checkpoints  # noqa: F401 - (hfcp.offload.check_offload_checkpoints)
+
 
 class Offloader:
     """The saved-tensor hooks of one forward: pack moves a tensor to the host, unpack brings it back."""
@@ -47,11 +49,6 @@ class Offloader:
             return packed
         device, host = packed
         return host.to(device, non_blocking=host.is_pinned())
-
-
-def check_offload_checkpoints(value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"offload_checkpoints={value!r} must be True or False")
 
 
 def offload_checkpoints(model: nn.Module, layers: list):

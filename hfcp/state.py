@@ -8,21 +8,62 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from transformers import PreTrainedModel
 
-from .attention import STRATEGIES
-from .layout.balance import check_balance
-from .distributed.mesh import Mesh, as_timedelta
 from .forward_data import ForwardData
 from .layout import StepBatch
-from .loss.linear_ce import IDENTITY, LogitTransform
-from .families.registry import Patcher
-from .offload import check_offload_checkpoints
-from .tiling import check_tiled_mlp
+
+if TYPE_CHECKING:  # (annotations only: state sits below the parts that define them, tests/test_layers.py)
+    from .distributed.mesh import Mesh
+    from .families.registry import Patcher
+    from .loss.linear_ce import LogitTransform
+
+# the strategies of hfcp.attention (its STRATEGIES maps each to its function)
+STRATEGY_NAMES = ("allgather", "ring", "ulysses", "usp")
+
+
+def as_timedelta(timeout) -> datetime.timedelta | None:
+    """None, seconds (int/float) or a timedelta -> timedelta or None.
+
+    Raises ValueError for anything else, including zero, negative, NaN and infinite values (a collective cannot
+    wait forever: None keeps the process group's default).
+    """
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) and seconds > 0
+    if not ok:
+        raise ValueError(f"timeout={timeout!r} must be a positive, finite number of seconds or datetime.timedelta "
+                         "(None: the process group's default timeout)")
+    return datetime.timedelta(seconds=float(seconds))
+
+
+def check_tiled_mlp(value) -> None:
+    """tiled_mlp: False (off), True (tiles of hidden_size tokens) or a positive number of tokens per tile."""
+    if isinstance(value, bool) or (isinstance(value, int) and value > 0):
+        return
+    raise ValueError(f"tiled_mlp={value!r}: pass False, True (tiles of hidden_size tokens) or a positive int (tokens "
+                     "per tile)")
+
+
+BALANCE_CHOICES = ("auto", "row")
+
+
+def check_balance(value) -> str:
+    """value, when it is a balance setting; else ValueError naming the choices."""
+    if value not in BALANCE_CHOICES:
+        raise ValueError(f"balance={value!r} is not one of {list(BALANCE_CHOICES)}")
+    return value
+
+
+def check_offload_checkpoints(value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"offload_checkpoints={value!r} must be True or False")
 
 
 def check_loss_chunk(value, name: str = "loss_chunk"):
@@ -57,8 +98,8 @@ class Settings:
         check_tiled_mlp(self.tiled_mlp)
         check_offload_checkpoints(self.offload_checkpoints)
         check_balance(self.balance)
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r} is not one of {sorted(STRATEGIES)}")
+        if self.strategy not in STRATEGY_NAMES:
+            raise ValueError(f"strategy={self.strategy!r} is not one of {sorted(STRATEGY_NAMES)}")
         if not isinstance(self.check_inputs, bool):
             raise ValueError(f"check_inputs={self.check_inputs!r} must be True or False")
         if self.device_mesh is not None and self.process_group is not None:
@@ -88,7 +129,9 @@ class CPState:
     attn_owner: object  # the model whose attn_implementation patch set (a VLM: its language model only)
     original_attn: str
     loss_chunk: int | str | None = "auto"  # the setting, or None where the model's logits are needed
-    logit_transform: LogitTransform = IDENTITY  # what the model does to its head's output (the chunked loss applies it)
+    # what the model does to its head's output (the chunked loss applies it; patch gives loss.linear_ce.IDENTITY
+    # where it does nothing)
+    logit_transform: LogitTransform | None = None
     modules: list = field(default_factory=list)  # the attention modules
     ran_modules: list | None = None  # those each forward calls, where not all (a pipeline stage's own)
     attention_group: object = None  # what the strategy communicates over: the CP group, or usp's sub-groups

@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from .families.introspect import decoder_layers, forward_source
 from .families.registry import UnsupportedModelError
+from .state import check_tiled_mlp  # noqa: F401 - (hfcp.tiling.check_tiled_mlp, as before)
 
 MLP_NAMES = ("mlp", "feed_forward", "ffn")  # a decoder layer's per-token block, by the names transformers uses
 PROBE_TOKENS, PROBE_SPLIT = 64, [7, 57]  # the probes' tokens, and the uneven parts compared with them whole
@@ -37,14 +38,6 @@ EXPERTS_NAME = "experts"
 _SEQUENCE_OPS = re.compile(r"dim\s*=\s*(0|1|-2)|\.(sum|mean|cumsum|cumprod|roll|topk|sort|softmax|max|min)\(|conv|"
                            r"router|expert|gather|scatter|index|shape|size\(|view\(|reshape|transpose|permute|cat\(")
 _RANDOM = re.compile(r"dropout|rand|bernoulli|multinomial|noise|jitter")  # tiles would draw other random numbers
-
-
-def check_tiled_mlp(value) -> None:
-    """tiled_mlp: False (off), True (tiles of hidden_size tokens) or a positive number of tokens per tile."""
-    if isinstance(value, bool) or (isinstance(value, int) and value > 0):
-        return
-    raise ValueError(f"tiled_mlp={value!r}: pass False, True (tiles of hidden_size tokens) or a positive int (tokens "
-                     "per tile)")
 
 
 def tile_tokens(value, config) -> int | None:

@@ -8,13 +8,13 @@ read from every rank's groups in one all-gather over the world at patch time (ev
 """
 from __future__ import annotations
 
-import datetime
 import logging
-import math
 import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from ..state import as_timedelta  # noqa: F401 - (hfcp.distributed.mesh.as_timedelta, as before)
 
 log = logging.getLogger("hfcp")
 
@@ -29,22 +29,6 @@ class Mesh:
     # the global ranks of every CP group of the world, in the same order everywhere
     cp_groups: tuple[tuple[int, ...], ...]
     data_leaders: tuple[int, ...]  # the first global rank of each data-parallel group, by dp_rank
-
-
-def as_timedelta(timeout) -> datetime.timedelta | None:
-    """None, seconds (int/float) or a timedelta -> timedelta or None.
-
-    Raises ValueError for anything else, including zero, negative, NaN and infinite values (a collective cannot
-    wait forever: None keeps the process group's default).
-    """
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) and seconds > 0
-    if not ok:
-        raise ValueError(f"timeout={timeout!r} must be a positive, finite number of seconds or datetime.timedelta "
-                         "(None: the process group's default timeout)")
-    return datetime.timedelta(seconds=float(seconds))
 
 
 def env_world_size() -> int:

@@ -80,16 +80,6 @@ class _Prefix:
         return self.l[end] - self.l[start]
 
 
-BALANCE_CHOICES = ("auto", "row")
-
-
-def check_balance(value) -> str:
-    """value, when it is a balance setting; else ValueError naming the choices."""
-    if value not in BALANCE_CHOICES:
-        raise ValueError(f"balance={value!r} is not one of {list(BALANCE_CHOICES)}")
-    return value
-
-
 def why_row_layout(patcher) -> str:
     """Why a model of this record keeps the row layout whatever its batch, or "" when balance="auto" applies."""
     if patcher.embeddings_classes:

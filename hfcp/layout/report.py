@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from ..attention.volume import comm_bytes
-from .balance import check_balance, step_layout, why_row_layout
+from .balance import step_layout, why_row_layout
 from ..checks import check_shapes
 from ..families.resolve import patcher_for, plan_patch
 from ..hooks.batch import check_input_dims, default_positions, take_packed_lengths, text_positions
 from . import Layout, StepBatch, build_step_batch
-from ..state import Settings, cp_state, find_pretrained
+from ..state import Settings, check_balance, cp_state, find_pretrained
 from .work import imbalance, layer_masks, position_work, rank_work, step_work, ulysses_width
 
 
