@@ -6,7 +6,7 @@ from .distributed.collectives import CollectiveError
 from .distributed.data import average_gradients, data_parallel_rank_and_size
 from .outputs import gather_outputs
 from .api import gather_sequence, patch, unpatch
-from .layout.report import balance_report, step_imbalance
+from .report import balance_report, step_imbalance
 from .pooling import pool_sequence
 from .state import cp_state
 from .loss.logps import SequenceLogps, sequence_logps

@@ -14,23 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import StepBatch
+from ..layout.masks import MaskSpec, chunk_ids
 from .cuda_kernels import aligned_mask
 from .kernels import NEG_INF, acc_dtype, has_fused_kernel, kernel_backward, kernel_forward, lse_for_backward, merge_into
 
 MAX_TILE = 1024
 KERNEL_TILE = 2048  # queries and keys of the largest kernel call (see kernel_pieces)
-
-
-@dataclass(frozen=True)
-class MaskSpec:
-    """The per-call part of the mask (the per-step part, documents and padding, lives in the StepBatch)."""
-
-    causal: bool
-    window: int | None  # keys with q - k >= window are masked (transformers' sliding_window)
-    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)
-    chunk: int | None = None  # chunked attention (Llama 4): keys in the query's chunk of this many tokens only
-    blocks: str | None = None  # the step's bidirectional blocks (StepBatch.blocks) OR-ed with causality: "windowed"
-    # ((causal | same block) & window, Gemma 3) or "whole" ((causal & window) | same block, PaliGemma 2); None: none
 
 
 def _groups(spec: MaskSpec, sb: StepBatch) -> list[torch.Tensor]:
@@ -42,21 +31,6 @@ def _groups(spec: MaskSpec, sb: StepBatch) -> list[torch.Tensor]:
             sb.plans[key] = chunk_ids(sb, spec.chunk)
         groups.append(sb.plans[key])
     return groups
-
-
-def chunk_ids(sb: StepBatch, chunk: int) -> torch.Tensor:
-    """(B or 1, padded_len) non-decreasing attention-chunk id of each token, as transformers' chunked mask: chunks
-    of `chunk` tokens counted from the first valid token of the row (after left padding, which gets negative ids);
-    in packed rows from each document's position 0 (the id then also tells the documents apart)."""
-    if sb.positions is not None:  # a new id where the document or the position's chunk changes: non-decreasing
-        c = torch.div(sb.positions.to(sb.doc_ids), chunk, rounding_mode="floor")
-        change = (torch.diff(sb.doc_ids, dim=-1) != 0) | (torch.diff(c, dim=-1) != 0)
-        return torch.nn.functional.pad(change.long().cumsum(-1), (1, 0))
-    idx = torch.arange(sb.layout.padded_len)
-    if sb.key_valid is None:
-        return (idx // chunk)[None]
-    left = (sb.key_valid.cpu().long().cumsum(-1) == 0).sum(-1, keepdim=True)  # (B, 1) leading padding
-    return torch.div(idx[None] - left, chunk, rounding_mode="floor").to(sb.key_valid.device)
 
 
 @dataclass

@@ -8,11 +8,22 @@ after the merge). Every rank merges the same gathered values in the same order, 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..distributed.collectives import all_gather
-from .blocks import MaskSpec
+from ..layout.masks import MaskSpec
 from .sinks import add_sink
+
+
+@dataclass(eq=False)
+class DecodeStep:
+    """What a decode step's attention calls need: the cache (hfcp.inference.kv_cache.ShardedKVCache) and the new
+    tokens' global columns."""
+
+    cache: object
+    columns: torch.Tensor  # (n,) long
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_columns: torch.Tensor,

@@ -7,8 +7,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from . import STRATEGIES, MaskSpec
 from ..compiler import eager
-from .decode import decode_attention
-from ..inference.kv_cache import DecodeStep
+from ..layout.masks import attention_chunk  # noqa: F401 - (hfcp.attention.interface.attention_chunk, as before)
+from .decode import DecodeStep, decode_attention
 from .outer_mask import OuterMask, hfcp_mask, layer_mask
 
 KEY = "hfcp"
@@ -116,20 +116,6 @@ def check_token_model_mask(module, mask) -> None:
     shown = (mask.why or f"a {mask.form} mask") if isinstance(mask, OuterMask) else type(mask).__name__
     raise ValueError(f"{type(module).__name__} got an attention mask ({shown}); hfcp runs vision models with full "
                      "bidirectional attention over every token and cannot apply it, so it is refused")
-
-
-def attention_chunk(module) -> int | None:
-    """The attention chunk size of this module's layer (transformers' chunked attention: config.attention_chunk_size
-    on the layers whose config.layer_types entry is "chunked_attention"; the mask alone applies it), or None."""
-    cfg = getattr(module, "config", None)
-    size = getattr(cfg, "attention_chunk_size", None)
-    if not size:
-        return None
-    types, idx = getattr(cfg, "layer_types", None), getattr(module, "layer_idx", None)
-    if types is None or not isinstance(idx, int) or not 0 <= idx < len(types):
-        raise ValueError(f"{type(module).__name__}: config.attention_chunk_size={size} but hfcp cannot tell whether "
-                         f"this layer (layer_idx={idx!r}) is chunked (config.layer_types={types!r})")
-    return int(size) if types[idx] == "chunked_attention" else None
 
 
 def take_sink(module, kwargs: dict, num_heads: int):

@@ -12,18 +12,10 @@ from the patched model's hook (`begin_prefill`, `begin_decode`, `end_forward`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import Cache
 
-
-@dataclass(eq=False)
-class DecodeStep:
-    """What a decode step's attention calls need: the cache and the new tokens' global columns."""
-
-    cache: "ShardedKVCache"
-    columns: torch.Tensor  # (n,) long
+from ..attention.decode import DecodeStep
 
 
 class ShardedKVCache(Cache):

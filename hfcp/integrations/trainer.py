@@ -22,7 +22,7 @@ from transformers import Trainer
 from ..distributed.data import data_parallel_rank_and_size
 from ..distributed.mesh import consecutive_block
 from ..api import patch
-from ..layout.report import step_imbalance
+from ..report import step_imbalance
 from ..state import cp_state, find_pretrained
 from .ddp_options import ddp_options_for_reentrant_checkpointing
 from .evaluation import CountedIterable, EvaluationMixin

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-from ..attention.blocks import MaskSpec, chunk_ids
+from .masks import MaskSpec, attention_chunk, chunk_ids
 from . import Layout, StepBatch
 
 
@@ -78,8 +78,6 @@ def step_work(sb: StepBatch, masks: Iterable[tuple[MaskSpec, int]]) -> torch.Ten
 def layer_masks(modules, causal: bool) -> list[tuple[MaskSpec, int]]:
     """(mask, number of layers) of the model's attention modules, as their calls pass it: each module's own
     sliding_window (Gemma, Qwen2), else its config's (Mistral), and its layer's attention chunk (Llama 4)."""
-    from ..attention.interface import attention_chunk  # (imports the inference cache, which imports hfcp.state)
-
     counts: dict[MaskSpec, int] = {}
     for m in modules:
         window = getattr(m, "sliding_window", getattr(getattr(m, "config", None), "sliding_window", None))

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.volume import comm_bytes
-from .balance import step_layout, why_row_layout
-from ..checks import check_shapes
-from ..families.resolve import patcher_for, plan_patch
-from ..hooks.batch import check_input_dims, default_positions, take_packed_lengths, text_positions
-from . import Layout, StepBatch, build_step_batch
-from ..state import Settings, check_balance, cp_state, find_pretrained
-from .work import imbalance, layer_masks, position_work, rank_work, step_work, ulysses_width
+from .attention.volume import comm_bytes
+from .checks import check_shapes
+from .families.resolve import patcher_for, plan_patch
+from .hooks.batch import check_input_dims, default_positions, take_packed_lengths, text_positions
+from .layout import Layout, StepBatch, build_step_batch
+from .layout.balance import step_layout, why_row_layout
+from .layout.work import imbalance, layer_masks, position_work, rank_work, step_work, ulysses_width
+from .state import Settings, check_balance, cp_state, find_pretrained
 
 
 def _model_facts(model, cp_size):
