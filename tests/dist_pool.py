@@ -15,22 +15,57 @@ def _free_port() -> int:
 
 
 def _release_groups(dist) -> None:
-    """Destroy the process groups a task created with new_group: gloo runs 3 threads per group, and the hundreds that
-    the tests' hfcp.patch calls would otherwise leave in a worker slow every collective that follows (10x measured
-    here). A DeviceMesh's groups stay: libraries cache meshes across calls (transformers' tensor-parallel mesh)."""
+    """Destroy the process groups a task left: gloo runs 3 threads per group, and the hundreds that the tests'
+    hfcp.patch calls would otherwise leave in a worker slow every collective that follows (10x measured here). Idle,
+    they still poll: a DeviceMesh's groups, once all kept (libraries cache meshes across calls: transformers'
+    tensor-parallel mesh), came to 154 per pool4 worker over the suite (470 threads, 0.15 of a core each while
+    idle), and the end-to-end runs that start processes of their own took 172 s instead of 95 s. So a DeviceMesh's
+    groups go too once no DeviceMesh that is still alive holds them."""
     import gc
 
     from torch.distributed import distributed_c10d
 
-    created = [g for g in list(distributed_c10d._world.pg_map)
-               if g is not dist.group.WORLD and not g.group_desc.startswith("mesh")]
+    world = dist.group.WORLD
+    created = [g for g in list(distributed_c10d._world.pg_map) if g is not world and not _of_a_mesh(g)]
+    # the groups of a mesh made since the last look (those kept then are held by a cache: looked at once)
+    meshes = [g for g in list(distributed_c10d._world.pg_map) if g is not world and _of_a_mesh(g)
+              and id(g) not in _KEPT_MESH_GROUPS]
+    if meshes:
+        gc.unfreeze()  # (a mesh that a cache holds may have been frozen: look at everything)
+        gc.collect()
+        held = _groups_of_live_meshes()
+        created += [g for g in meshes if id(g) not in held]
+        _KEPT_MESH_GROUPS.update(id(g) for g in meshes if id(g) in held)
     for g in created:
         dist.destroy_process_group(g)
-    if created:
+    if created or meshes:
         gc.collect()  # the models of the task hold the groups: their threads stop when the groups are freed
         # what survived is live (imports, caches): later collections need not walk it again (0.16 s each, on every
         # task that patched, before this)
         gc.freeze()
+
+
+_KEPT_MESH_GROUPS: set[int] = set()  # (in each worker process: the mesh groups a live DeviceMesh held when looked at)
+
+
+def _of_a_mesh(group) -> bool:
+    return group.group_desc.startswith("mesh")
+
+
+def _groups_of_live_meshes() -> set[int]:
+    """id() of every process group that a DeviceMesh still alive in this process holds."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    held = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            try:
+                held |= {id(g) for g in obj.get_all_groups()}
+            except RuntimeError:  # a mesh whose groups are gone already
+                pass
+    return held
 
 
 def _worker(rank, world, port, tasks, results):
