@@ -4,12 +4,11 @@ The docs: docs/index.md; every public name: docs/reference/api.md.
 """
 from .distributed.collectives import CollectiveError
 from .distributed.data import average_gradients, data_parallel_rank_and_size
-from .outputs import gather_outputs
-from .api import gather_sequence, patch, unpatch
+from .outputs import gather_outputs, gather_sequence, pool_sequence
+from .api import patch, unpatch
 from .report import balance_report, step_imbalance
-from .pooling import pool_sequence
 from .state import cp_state
-from .loss.logps import SequenceLogps, sequence_logps
+from .outputs.logps import SequenceLogps, sequence_logps
 from .families.registry import Patcher, UnsupportedModelError, register_patcher, supported_model_types
 from .pipelining import pipeline
 

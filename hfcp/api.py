@@ -1,26 +1,25 @@
-"""hfcp.patch / hfcp.unpatch / hfcp.gather_sequence: the one-line surgery and its inverse.
+"""hfcp.patch / hfcp.unpatch: the one-line surgery and its inverse.
 
 patch reads as a script: the settings checked, the model's record and plan resolved (hfcp/families/resolve.py:
-everything that can refuse, before any collective), the mesh built, then one attach per model kind (hfcp/attach.py),
-each change pushing its undo on the state, which unpatch pops.
+everything that can refuse, before any collective), the mesh built, then one attach per model kind
+(hfcp/hooks/attach.py), each change pushing its undo on the state, which unpatch pops. gather_sequence:
+hfcp/outputs/gather.py.
 """
 from __future__ import annotations
 
 import logging
 
-import torch
 
-from .attach import ATTACH, attach_attention
-from .distributed.collectives import all_gather
+from .hooks.attach import ATTACH, attach_attention
 from .distributed.mesh import build_mesh
 from .attention.interface import register_with_transformers
 from .loss.linear_ce import IDENTITY
 from .families.resolve import attention_group, patcher_for, plan_patch, router_aux_for
 from .state import CPState, Settings, cp_state, find_pretrained
 from .families.introspect import decoder_layers
-from .offload import offload_checkpoints as offload_to_host
-from .norm_fold import fold_norms
-from .tiling import mlps_to_tile, tile_layers, tile_mlps, tile_tokens
+from .memory.offload import offload_checkpoints as offload_to_host
+from .memory.norm_recompute import recompute_norms
+from .memory.tiled_mlp import mlps_to_tile, tile_layers, tile_mlps, tile_tokens
 
 log = logging.getLogger("hfcp")
 
@@ -53,13 +52,13 @@ def patch(model, cp_size: int | None = None, strategy: str = "ring", process_gro
             (hfcp.layout.balance); "row": every row zigzag (contiguous for bidirectional models), as one document.
         tiled_mlp: False (default); True or a number of tokens: in training forwards each decoder layer's MLP runs
             over tiles of the rank's tokens (True: hidden_size tokens a tile), each recomputed in backward, so its
-            intermediates exist for one tile at a time (hfcp/tiling.py). MLPs hfcp cannot show compute each token
-            alone are refused. The layer's norms are then not kept for backward where the MLP or a linear layer
-            reads their output: recomputed from their input (hfcp/norm_fold.py).
+            intermediates exist for one tile at a time (hfcp/memory/tiled_mlp.py). MLPs hfcp cannot show compute
+            each token alone are refused. The layer's norms are then not kept for backward where the MLP or a linear
+            layer reads their output: recomputed from their input (hfcp/memory/norm_recompute.py).
         offload_checkpoints: in training forwards with gradient checkpointing, what the forward keeps for backward
             outside the checkpointed layers (each layer's input) is held in host memory (pinned, copied without
-            blocking on CUDA) and brought back in backward (hfcp/offload.py). A training forward whose layers are not
-            checkpointed is refused.
+            blocking on CUDA) and brought back in backward (hfcp/memory/offload.py). A training forward whose layers
+            are not checkpointed is refused.
 
     A model that transformers loaded tensor-parallel (`tp_plan`, DistributedConfig) keeps its TP: each rank's
     attention sees its TP rank's heads, and the CP groups run across TP groups (hfcp builds them so with
@@ -118,7 +117,7 @@ def apply_memory_options(inner, owner, tile: int | None, mlps: list, offload: bo
     undo = []
     if tile and mlps:
         undo.append(tile_mlps(mlps, tile))
-        undo.append(fold_norms(tile_layers(owner), mlps, owner.config.get_text_config().hidden_size, tile))
+        undo.append(recompute_norms(tile_layers(owner), mlps, owner.config.get_text_config().hidden_size, tile))
     if offload:
         layers = decoder_layers(owner, owner.config.get_text_config().num_hidden_layers) or []
         undo.append(offload_to_host(inner, layers))
@@ -131,33 +130,3 @@ def unpatch(model):
     while state is not None and state.undo:
         state.undo.pop()()
     return model
-
-
-def gather_sequence(tensor: torch.Tensor, model, dim: int = 1) -> torch.Tensor:
-    """The full sequence (original order and length) of a local sequence output such as logits.
-
-    Applies to outputs of the model's latest forward (the layout is per step); gather before the next forward.
-    The model's own outputs carry their step: one from an earlier forward, or a dim other than their sequence
-    dimension, is refused (ValueError).
-
-    Differentiable: the backward sums over the CP group and returns each rank its slice (consistent with the
-    loss convention, so mean-over-group grads stay exact). Unpatched models: returns `tensor` unchanged.
-    """
-    state = cp_state(model)
-    if state is None or getattr(tensor, "hfcp_whole", False):  # (logits_to_keep's logits: the same on every rank)
-        return tensor
-    if state.step is None:
-        raise RuntimeError("gather_sequence needs the output of a forward of the patched model")
-    layout = state.step.layout
-    stamp = getattr(tensor, "hfcp_step", None)  # set on the model's own sequence outputs
-    if stamp is not None and stamp is not state.step:
-        raise ValueError("gather_sequence got an output of an earlier forward; the layout is per step, so gather "
-                         "each output before the next forward of the model")
-    if stamp is not None and dim % tensor.dim() != 1:
-        raise ValueError(f"gather_sequence(dim={dim}) of a model output of shape {tuple(tensor.shape)}: its sequence "
-                         "dimension is 1 (batch, seq, ...); pass dim=1")
-    if tensor.shape[dim] != layout.local_len:
-        raise ValueError(f"tensor has {tensor.shape[dim]} tokens along dim {dim}; "
-                         f"the local slice has {layout.local_len}")
-    full = all_gather(tensor, state.mesh.cp_group, dim)
-    return full.index_select(dim, layout.gathered_inverse(full.device))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .attention.volume import comm_bytes
-from .checks import check_shapes
+from .distributed.input_checks import check_shapes
 from .families.resolve import patcher_for, plan_patch
 from .hooks.batch import check_input_dims, default_positions, take_packed_lengths, text_positions
 from .layout import Layout, StepBatch, build_step_batch

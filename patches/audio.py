@@ -6,7 +6,7 @@ hfcp/hooks/tower_split.py); any other encoder runs whole on every rank (exact; i
 Qwen2.5-Omni's vision tower is split by frames, as Qwen2.5-VL's. Each type here is shown exact by the audio sweep
 (tests/sweep_audio.py, tests/test_audio.py) with a text-only batch and with three clips."""
 from hfcp.families.registry import Patcher, register_patcher
-from hfcp.hooks.tower_split import register_per_clip_encoder, register_per_image_tower
+from hfcp.families.towers import register_per_clip_encoder, register_per_image_tower
 
 # encoders whose every layer works within one clip (its 30-second window, or its chunks): the clips along dim 0
 PER_CLIP_ENCODERS = ("qwen2_audio_encoder", "voxtral_encoder", "glmasr_encoder", "fun_asr_nano_encoder",

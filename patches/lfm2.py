@@ -21,7 +21,7 @@ import sys
 from hfcp.mixers.conv_halo import causal_depthwise_conv1d
 from hfcp.mixers.binding import check_step_tokens, local_key_valid
 from hfcp.families.registry import Patcher, register_patcher
-from hfcp.mixers.source_guard import check_source
+from hfcp.families.source_guard import check_source
 
 from .verified import TRANSFORMERS_VERSION
 

@@ -21,13 +21,13 @@ import sys
 import torch
 
 from hfcp.mixers.binding import check_step_tokens, local_key_valid
-from hfcp.mixers.source_guard import check_source
+from hfcp.families.source_guard import check_source
 from hfcp.families.registry import Patcher, register_patcher
 from hfcp.mixers.state_fold import scalar_decay_over_ranks
 
 from .verified import TRANSFORMERS_VERSION
 
-# source_fingerprint (hfcp/mixers/source_guard.py) of the code hfcp reproduces: the forward, and the decays its
+# source_fingerprint (hfcp/families/source_guard.py) of the code hfcp reproduces: the forward, and the decays its
 # blocks and the fold use
 FINGERPRINTS = {"MiniMaxLightningAttention.forward": "03c3f915c0c99c09",
                 "MiniMaxLightningAttention.decay_factors": "ad8879a83947a830",

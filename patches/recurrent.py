@@ -20,7 +20,7 @@ from functools import partial
 
 from hfcp.families.registry import Patcher, register_patcher
 from hfcp.mixers.scans import Scan, channel_decay_scan, delta_rule, scalar_decay_scan, scan_forward
-from hfcp.mixers.source_guard import check_source
+from hfcp.families.source_guard import check_source
 
 from .verified import TRANSFORMERS_VERSION
 

@@ -25,14 +25,14 @@ import torch
 
 from hfcp.mixers.conv_halo import causal_depthwise_conv1d
 from hfcp.mixers.binding import check_step_tokens
-from hfcp.mixers.rebind import ModuleView
-from hfcp.mixers.source_guard import check_source
+from hfcp.mixers.family_code import ModuleView
+from hfcp.families.source_guard import check_source
 from hfcp.families.registry import Patcher, register_patcher
 from hfcp.mixers.state_fold import gated_sum_over_ranks
 
 from .verified import TRANSFORMERS_VERSION
 
-# hfcp.mixers.source_guard.source_fingerprint of each function whose code hfcp runs, as transformers 5.24 has it
+# hfcp.families.source_guard.source_fingerprint of each function whose code hfcp runs, as transformers 5.24 has it
 FINGERPRINTS = {"RecurrentGemmaRecurrentBlock.forward": "cce3570274ab15aa",
                 "RecurrentGemmaRglru.forward": "b4ad72fdf0d80030",
                 "RecurrentGemmaRglru._rnn_scan": "edcf0cbffabce491"}

@@ -2,11 +2,11 @@
 the last hidden states, then the scores at each row's last token that is not config.pad_token_id (the last token
 without one, or with inputs_embeds), and the loss from those pooled scores. hfcp pools them over the whole sequence
 (hfcp/hooks/heads.py); each forward is fingerprinted, so another version of its code is refused."""
-from hfcp.hooks.heads import register_sequence_head
+from hfcp.families.heads import register_sequence_head
 
 from .verified import TRANSFORMERS_VERSION
 
-FINGERPRINTS = {  # hfcp.mixers.source_guard.fingerprints_of(cls, ["forward"]), transformers 5.24.0
+FINGERPRINTS = {  # hfcp.families.source_guard.fingerprints_of(cls, ["forward"]), transformers 5.24.0
     "GPT2ForSequenceClassification.forward": "9b4d38cda8049820",  # gpt2, gpt-sw3
     "GPTNeoXForSequenceClassification.forward": "f4728f00bd252e3c",
     "OPTForSequenceClassification.forward": "0dad60ef2d50b9c9",

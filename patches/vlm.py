@@ -6,7 +6,7 @@ outer model builds are hfcp's predicate or refused at run time. The tower's imag
 (hfcp/hooks/tower_split.py: each image encoded on its own). Each type here is tested against the unpatched model
 (tests/test_vlm.py); patches/verified_vlm.py adds the types the VLM sweep showed exact."""
 from hfcp.families.registry import Patcher, register_patcher
-from hfcp.hooks.tower_split import register_per_image_tower
+from hfcp.families.towers import register_per_image_tower
 
 # towers that encode each image (or each Qwen-VL grid, attention within it by cu_seqlens) on its own: split over the
 # CP group. Any other tower of a supported VLM runs whole on every rank (exact; its memory does not fall with cp)

@@ -4,7 +4,7 @@
     python scripts/gpu_kernels_check.py --cpu-smoke                       # tiny shapes, CPU kernels (the test suite)
 
 1. Causal attention over the whole row (8K / 16K / 32K tokens, bf16, 16 heads, 4 KV heads, head dim 128), forward
-   + backward: hfcp's planner and tile kernels (hfcp.attention.blocks, the kernel that `choose_kernel` picks, named
+   + backward: hfcp's planner and tile kernels (hfcp.attention.tiles, the kernel that `choose_kernel` picks, named
    in the table) against `torch.nn.functional.scaled_dot_product_attention` restricted to the flash backend on the
    same tensors: max |difference| of out, dq, dk, dv relative to the largest value, and the time ratio hfcp / SDPA.
 2. Emulated ranks: one packed row (tests/test_balance.py's long-tail and one-long workloads, 16K and 32K tokens) at

@@ -141,7 +141,7 @@ def generate_with_cache_after_clips(model_type: str) -> tuple[bool, int]:
     model's tokens, how many times the patched model's audio encoder ran)."""
     import hfcp
     from hfcp.families.introspect import audio_config
-    from hfcp.hooks.vlm import module_with_config
+    from hfcp.families.introspect import module_with_config
 
     ref = tiny_audio(model_type).eval()
     model = copy.deepcopy(ref)
@@ -166,7 +166,7 @@ def encoder_shares(model_type: str) -> list[int]:
 
     import hfcp
     from hfcp.families.introspect import audio_config
-    from hfcp.hooks.vlm import module_with_config
+    from hfcp.families.introspect import module_with_config
 
     model = tiny_audio(model_type)
     data = audio_batch(model)
@@ -194,16 +194,16 @@ def batch_norm_encoder_refused() -> str:
     """Granite Speech's Conformer (BatchNorm1d) registered as encoding each clip alone, without batch_norm=True (as a
     user's record might): what hfcp.patch raised."""
     import hfcp
-    from hfcp.hooks import tower_split
+    from hfcp.families import towers
 
     model = tiny_audio("granite_speech")
-    tower_split.register_per_clip_encoder("granite_speech_encoder")
+    towers.register_per_clip_encoder("granite_speech_encoder")
     try:
         hfcp.patch(model, process_group=dist.group.WORLD)
     except hfcp.UnsupportedModelError as e:
         return str(e)
     finally:
-        tower_split.register_per_clip_encoder("granite_speech_encoder", batch_norm=True)  # (patches/audio.py's)
+        towers.register_per_clip_encoder("granite_speech_encoder", batch_norm=True)  # (patches/audio.py's)
         hfcp.unpatch(model)
     return "nothing raised"
 
@@ -224,7 +224,7 @@ def encoder_called_alone(model_type: str) -> float:
     output of the encoder made to return a bare tensor."""
     import hfcp
     from hfcp.families.introspect import audio_config
-    from hfcp.hooks.vlm import module_with_config
+    from hfcp.families.introspect import module_with_config
 
     model = tiny_audio(model_type)
     feats = audio_batch(model)["input_features"]
@@ -257,7 +257,7 @@ def unlike_outputs_refused() -> str:
     as encoding each clip alone whose output depends on the other clips), called by itself on clips of 12, 32 and
     20 valid frames: each rank's output has another length (32 and 20). What the patched call raised."""
     from hfcp.families.introspect import audio_config
-    from hfcp.hooks.vlm import module_with_config
+    from hfcp.families.introspect import module_with_config
 
     model = tiny_audio("fun_asr_nano")
     data = audio_batch(model, valid=[12, 32, 20])

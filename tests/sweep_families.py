@@ -370,7 +370,7 @@ def model_check_refusals() -> tuple[int, dict]:
 
     from hfcp.families.resolve import patcher_for
     from hfcp.families.registry import REGISTRY
-    from hfcp.tiny_vlm import tiny_vlm
+    from hfcp.testing.tiny_vlm import tiny_vlm
     from workers_vision import build as build_vision
 
     checked, refused = 0, {}

@@ -99,7 +99,7 @@ def check_multimodal(model_type: str, build, batches: dict) -> tuple[dict, objec
 def check(model_type: str) -> dict:
     """{"type", "result", "detail", "text", "images", "tower"}: check_multimodal with a text-only batch and two
     images; the tower: split over the ranks or whole on every rank."""
-    from hfcp.hooks.tower_split import splits_tower
+    from hfcp.families.towers import splits_tower
 
     result, built = check_multimodal(model_type, tiny_vlm, {"text": text_batch, "images": image_batch})
     exact = result["result"] == "exact"  # (then it was built)

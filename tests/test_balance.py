@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hfcp.attention.blocks import MaskSpec
+from hfcp.layout.masks import MaskSpec
 from hfcp.layout.balance import balanced_layout, plan_ranges, segment_starts
 from hfcp.layout import Layout, build_step_batch, check_plan
 from hfcp.layout.work import imbalance, position_work, rank_work

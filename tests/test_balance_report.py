@@ -10,7 +10,7 @@ import hfcp.layout.work
 from hfcp.layout import Layout, build_step_batch
 from test_balance import brute_force_work, documents
 from workers_model import tiny_model
-from hfcp.attention.blocks import MaskSpec
+from hfcp.layout.masks import MaskSpec
 
 PACKED = documents([50, 6, 9, 17, 3, 11])[None]  # 96 tokens, one long document first
 

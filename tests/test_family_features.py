@@ -88,7 +88,7 @@ def test_unreadable_logit_postprocessing_falls_back_to_the_logits(form):
     loss from the model's own logits, never skipping the change."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hfcp.families.forward_source import logit_transform
+    from hfcp.families.forward_reading import logit_transform
 
     cls = type(f"Llama_{form}", (LlamaForCausalLM,), {"forward": getattr(_Shifted, form)})
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -68,7 +68,7 @@ def test_cuda_decode_attention_matches_one_rank_dense():
     model unchanged, so generation under CP itself needs 2 GPUs: tests/test_inference.py's workers under NCCL.)"""
     import torch.distributed as dist
 
-    from hfcp.attention.blocks import MaskSpec
+    from hfcp.layout.masks import MaskSpec
     from hfcp.attention.decode import decode_attention
 
     if not dist.is_initialized():

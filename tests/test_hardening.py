@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import workers_hardening as W
-from hfcp.checks import content_digest
+from hfcp.distributed.input_checks import content_digest
 from hfcp.distributed.mesh import as_timedelta
 
 

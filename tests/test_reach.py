@@ -74,7 +74,7 @@ def test_tiles_are_recomputed_under_the_forwards_autocast():
     import torch
     import transformers
 
-    from hfcp.tiling import tiled_forward
+    from hfcp.memory.tiled_mlp import tiled_forward
 
     mlp = transformers.models.llama.modeling_llama.LlamaMLP(transformers.LlamaConfig(hidden_size=32,
                                                                                      intermediate_size=64))
@@ -100,7 +100,7 @@ def test_tiles_that_draw_nothing_share_one_random_state():
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from hfcp.tiling import tiled_forward
+    from hfcp.memory.tiled_mlp import tiled_forward
 
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64)
     for dropout, distinct in ((0.0, 1), (0.5, 3)):
@@ -116,7 +116,7 @@ def test_an_mlp_that_draws_random_numbers_is_refused():
     """Dropout in an MLP's forward (functional, not a child module): tiles would draw other numbers than the whole."""
     from torch import nn
 
-    from hfcp.tiling import check_per_token
+    from hfcp.memory.tiled_mlp import check_per_token
 
     class DropoutMLP(nn.Module):
         def __init__(self):
@@ -140,7 +140,7 @@ def test_lora_dropout_draws_the_same_masks_in_a_tiles_recompute(reentrant):
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from hfcp.tiling import tiled_forward
+    from hfcp.memory.tiled_mlp import tiled_forward
 
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4)
     torch.manual_seed(0)
@@ -171,7 +171,7 @@ def test_a_tile_reading_a_trainable_tensor_outside_the_module_is_refused():
     import torch
     from torch import nn
 
-    from hfcp.tiling import tiled_forward
+    from hfcp.memory.tiled_mlp import tiled_forward
 
     class Scaled(nn.Module):
         def __init__(self):
@@ -196,7 +196,7 @@ def test_an_mlp_with_trained_lora_and_dropout_is_tiled():
     from peft import LoraConfig, get_peft_model
     from torch import nn
 
-    from hfcp.tiling import check_per_token
+    from hfcp.memory.tiled_mlp import check_per_token
 
     holder = nn.Module()
     holder.mlp = transformers.models.llama.modeling_llama.LlamaMLP(

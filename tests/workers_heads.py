@@ -202,7 +202,7 @@ def _custom_class(name: str | None):
 
 def changed_source(case: dict) -> str:
     """A registered sequence classifier whose forward is not the code fingerprinted (another transformers version)."""
-    from hfcp.hooks.heads import SEQUENCE_HEADS
+    from hfcp.families.heads import SEQUENCE_HEADS
 
     name = "GPT2ForSequenceClassification"
     kept = SEQUENCE_HEADS[name]

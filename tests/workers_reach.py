@@ -10,7 +10,7 @@ import torch
 import hfcp
 from hfcp.commands.verify import grad_error
 from hfcp.state import find_pretrained
-from hfcp.tiling import mlps_to_tile
+from hfcp.memory.tiled_mlp import mlps_to_tile
 from workers_model import CONFIGS, averaged_grads, make_batch, tiny_model
 
 
@@ -94,12 +94,12 @@ def tiled_step(kind: str, tile: int, lora: bool = False, checkpointing: bool | s
 
 
 class _NormSaves:
-    """How many tensors the forward saved for backward that are outputs of a decoder layer's norm (hfcp.norm_fold:
-    none where every reader of a norm's output folds it)."""
+    """How many tensors the forward saved for backward that are outputs of a decoder layer's norm
+    (hfcp.memory.norm_recompute: none where every reader of a norm's output recomputes it)."""
 
     def __init__(self, model):
-        from hfcp.norm_fold import norms_of
-        from hfcp.tiling import tile_layers
+        from hfcp.memory.norm_recompute import norms_of
+        from hfcp.memory.tiled_mlp import tile_layers
 
         self.norms = [n for layer in tile_layers(find_pretrained(model)) for n in norms_of(layer)]
         self.outputs, self.count = [], 0  # (the outputs held: their storages are not reused while counting)

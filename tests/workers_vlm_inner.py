@@ -30,7 +30,7 @@ def _grads(model, world: int = 1) -> dict:
 def language_model(model):
     """The module a user patches alone: the one whose config is the text config (model.model.language_model,
     model.model.text_model)."""
-    from hfcp.hooks.vlm import module_with_config
+    from hfcp.families.introspect import module_with_config
 
     return model.get_submodule(module_with_config(model, model.config.get_text_config()))
 

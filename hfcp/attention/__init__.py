@@ -1,6 +1,6 @@
 """Context-parallel attention strategies; each maps local q/k/v to the local attention output."""
 from .allgather import allgather_attention
-from .blocks import MaskSpec
+from ..layout.masks import MaskSpec
 from .ring import ring_attention
 from .ulysses import check_heads, ulysses_attention
 from .usp import UspGroups, build_usp_groups, check_ulysses_size, usp_attention

@@ -7,7 +7,8 @@ import torch
 
 from ..distributed.collectives import all_gather_no_grad, group_rank, reduce_scatter_sum
 from ..layout import StepBatch
-from .blocks import MaskSpec, backward_tiles, forward_tiles, new_accumulators, plan_tiles
+from ..layout.masks import MaskSpec
+from .tiles import backward_tiles, forward_tiles, new_accumulators, plan_tiles
 from .kernels import acc_dtype
 from .sinks import add_sink, sink_grad
 

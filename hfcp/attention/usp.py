@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..distributed.collectives import all_to_all_heads, all_to_all_sequence, group_rank
 from ..layout import StepBatch
-from .blocks import MaskSpec
+from ..layout.masks import MaskSpec
 from .ring import ring_backward, ring_forward
 from .sinks import add_sink, head_group, head_group_sink_grad
 

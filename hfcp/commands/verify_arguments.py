@@ -154,11 +154,11 @@ def _check_tiny_model(model: str, data: str | None, head: str | None = None):
 
 def _check_tiny_head(model: str, head: str, data: str | None):
     """A model_type with --head: transformers has a class of that head for it, of a language model, and hfcp runs
-    that class's head (its pooling and loss: hfcp.hooks.heads.classification_head_name); the tiny model, built."""
+    that class's head (its pooling and loss: hfcp.families.heads.classification_head_name); the tiny model, built."""
     import transformers
 
     from ..families.registry import UnsupportedModelError
-    from ..hooks.heads import classification_head_name
+    from ..families.heads import classification_head_name
     from ..testing.tiny import HEAD_MAPPINGS, head_classes
 
     classes = head_classes(head)

@@ -115,6 +115,16 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return _AllReduceSum.apply(x, group)
 
 
+def pick_global_rows(x: torch.Tensor, index: torch.Tensor, step, group) -> torch.Tensor:
+    """(B, L/cp, D) local sequence, (B,) global token indices -> (B, D): row b's token index[b], whole on every rank
+    (the rank that holds it gives it, the others zeros; summed over the group)."""
+    local = step.layout.local_index(step.rank, x.device)  # (L/cp,) global index of each local token
+    hit = local[None, :] == index[:, None]  # (B, L/cp): at most one True per row, on one rank
+    rows = x[torch.arange(x.shape[0], device=x.device), hit.to(torch.int32).argmax(1)]  # (B, D)
+    rows = torch.where(hit.any(1)[:, None], rows, torch.zeros_like(rows))  # (no NaN from another rank's rows)
+    return all_reduce_sum(rows, group)
+
+
 def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Concatenate the group's tensors along `dim`; backward sums the grads and returns this rank's slice."""
     return _AllGather.apply(x, group, dim)

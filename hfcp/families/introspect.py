@@ -150,3 +150,38 @@ def _inside_attention(model, name: str, attention_classes) -> bool:
         if type(model.get_submodule(".".join(parts[:k]))).__name__ in attention_classes:
             return True
     return False
+
+
+def find_language_model(model, path: str) -> torch.nn.Module | None:
+    """The language model a VLM feeds with the merged sequence: the module at `path` (its record's
+    Patcher.language_model), if it is there and its config is the VLM's text config; else None."""
+    try:
+        lm = model.get_submodule(path)
+    except AttributeError:
+        return None
+    return lm if getattr(lm, "config", None) is model.config.get_text_config() else None
+
+
+def module_with_config(model, config) -> str | None:
+    """The path of the outermost submodule whose `.config` is `config` (the language model of a VLM for its text
+    config, the vision tower for its vision config), or None when there is none or two at the same depth."""
+    if config is None:
+        return None
+    found = [name for name, m in model.named_modules() if name and getattr(m, "config", None) is config]
+    depth = min((n.count(".") for n in found), default=None)
+    outer = [n for n in found if n.count(".") == depth]
+    return outer[0] if len(outer) == 1 else None
+
+
+@functools.lru_cache(maxsize=256)
+def _parameters(function, bound: bool) -> dict:
+    items = list(inspect.signature(function).parameters.items())
+    return dict(items[1:] if bound else items)  # a bound method's function: without its self
+
+
+def forward_parameters(module) -> dict:
+    """{name: inspect.Parameter} of the module's own forward (the one accelerate's hook wraps), read once per
+    function."""
+    forward = module._old_forward
+    function = getattr(forward, "__func__", None)
+    return _parameters(forward, False) if function is None else _parameters(function, True)

@@ -46,7 +46,7 @@ class Patcher:
             .register_per_image_tower), else run whole on every rank.
         audio_tower: the same for an audio-language or omni model's audio encoder and its clips ("auto": the
             outermost module whose config is the audio config, split when its model_type is registered with
-            hfcp.hooks.tower_split.register_per_clip_encoder).
+            hfcp.families.towers.register_per_clip_encoder).
         positions_from_mask: without position_ids the family derives them from the attention mask
             (cumsum(mask) * mask - 1, as OPT); hfcp computes them so over the whole mask before splitting.
         token_side_inputs: per-token side inputs of a VLM's language model, as (mask, rows) argument names: `mask`

@@ -14,16 +14,16 @@ from transformers import PreTrainedModel
 from transformers.models.auto import modeling_auto
 
 from ..attention import build_usp_groups, check_heads, check_ulysses_size
-from .forward_source import logit_transform, router_aux_loss
+from .forward_reading import logit_transform, router_aux_loss
 from .introspect import (audio_config, interface_attention_classes, not_through_interface, other_mixers,
                          token_convolution)
 from ..loss.linear_ce import LogitTransform
 from .registry import REGISTRY, Patcher, UnsupportedModelError
 from ..distributed.tensor_parallel import is_sharded, tensor_parallel_ranks
 from ..distributed.mesh import tp_ranks_of_device_mesh, cp_group_of_device_mesh
-from ..hooks.heads import classification_head_name
-from ..hooks.tower_split import splits_tower, syncs_batch_norm
-from ..hooks.vlm import find_language_model, module_with_config
+from .heads import classification_head_name
+from .introspect import find_language_model, module_with_config
+from .towers import splits_tower, syncs_batch_norm
 
 log = logging.getLogger("hfcp")
 

@@ -2,31 +2,16 @@
 slice of the per-token inputs with the step's layout (shared by the causal-LM, VLM and vision hooks)."""
 from __future__ import annotations
 
-import functools
-import inspect
 
 import torch
 
 from ..attention.outer_mask import resolve_attention_mask, step_blocks
 from ..attention.step_token import step_token
-from ..checks import check_shapes, check_token_range
+from ..distributed.input_checks import check_shapes, check_token_range
+from ..families.introspect import forward_parameters
 from ..layout.balance import step_layout
 from ..layout import Layout, build_step_batch, document_ids
 from ..loss.cross_entropy import IGNORE_INDEX, shift_labels
-
-
-@functools.lru_cache(maxsize=256)
-def _parameters(function, bound: bool) -> dict:
-    items = list(inspect.signature(function).parameters.items())
-    return dict(items[1:] if bound else items)  # a bound method's function: without its self
-
-
-def forward_parameters(module) -> dict:
-    """{name: inspect.Parameter} of the module's own forward (the one accelerate's hook wraps), read once per
-    function."""
-    forward = module._old_forward
-    function = getattr(forward, "__func__", None)
-    return _parameters(forward, False) if function is None else _parameters(function, True)
 
 
 def as_kwargs(module, args, kwargs) -> dict:

@@ -7,10 +7,10 @@ import torch
 from accelerate.hooks import ModelHook
 
 from ..attention.step_token import step_token
-from ..checks import BATCH_NAMES, check_same_batch
+from ..distributed.input_checks import BATCH_NAMES, check_same_batch
 from ..compiler import eager
 from ..distributed.collectives import all_reduce_no_grad
-from ..forward_data import ForwardData
+from ..state import ForwardData
 from ..inference.generate import LAST_LOGITS, generation_cache, prepare_decode, return_cache
 from ..layout.balance import why_row_layout
 from ..layout import Layout
@@ -19,8 +19,9 @@ from ..loss.cross_entropy import IGNORE_INDEX, ce_sum, chunked_ce_sum, global_me
 from ..loss.linear_ce import add_token_stats
 from ..loss.router import global_aux
 from ..state import check_loss_chunk
-from .batch import as_kwargs, check_call, check_length_limit, check_lm_batch, forward_parameters, shard_inputs
-from .outputs import (check_attention_ran, first_field, keep_last_positions, output_values,
+from .batch import as_kwargs, check_call, check_length_limit, check_lm_batch, shard_inputs
+from ..families.introspect import forward_parameters
+from .output_stamps import (check_attention_ran, first_field, keep_last_positions, output_values,
                       stamp_sequence_outputs, swap_forward)
 from .side_inputs import (SPLIT_BY_HFCP, check_side_inputs, outer_model_call, refuse_outer_call,
                           refuse_unsplit_sequence_inputs, shard_side_inputs, side_input_names)

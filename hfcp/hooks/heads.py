@@ -1,5 +1,5 @@
-"""Classification heads over a causal LM's sequence: which forwards hfcp reproduces, and the sequence classifier's
-hook (the score at the last non-pad token, found over the whole sequence, whole and identical on every rank).
+"""The sequence classifier's hook over a causal LM's sequence (which heads hfcp reproduces: hfcp/families/heads.py):
+the hook (the score at the last non-pad token, found over the whole sequence, whole and identical on every rank).
 
 A token classifier needs no hook of its own: its logits are a sequence output (local, as a causal LM's) and its loss
 the token mean over the whole sequence, computed by the sequence hook from its unshifted labels (hooks/causal_lm.py).
@@ -7,66 +7,10 @@ the token mean over the whole sequence, computed by the sequence hook from its u
 from __future__ import annotations
 
 import torch
-from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification
 
-from ..families.registry import UnsupportedModelError
 from ..compiler import eager
-from ..mixers.source_guard import check_source
-from ..pooling import pick_global_rows
+from ..distributed.collectives import pick_global_rows
 from .causal_lm import ShardSequenceHook
-
-# the classes' forwards whose pooling and loss hfcp reproduces -> the module name of their head
-SEQUENCE_FORWARDS = {GenericForSequenceClassification.forward: "score"}
-TOKEN_FORWARDS = {GenericForTokenClassification.forward: "score"}
-_REPRODUCED = {"sequence_classification": (SEQUENCE_FORWARDS, GenericForSequenceClassification,
-                                           "score at the last non-pad token"),
-               "token_classification": (TOKEN_FORWARDS, GenericForTokenClassification,
-                                        "token-mean cross-entropy of its per-token scores")}
-# sequence classifiers with a forward of their own that pools as the generic one (GPT-2's), registered by patches/:
-# class name -> (head module name, {"Class.forward": source fingerprint}, the transformers version they were read in)
-SEQUENCE_HEADS: dict[str, tuple[str, dict, str]] = {}
-
-
-def register_sequence_head(class_name: str, head: str, fingerprints: dict, verified_with: str) -> None:
-    """Accept the sequence classifier `class_name`, whose forward (its source fingerprinted in `fingerprints`, see
-    hfcp.mixers.source_guard) computes `head`'s scores over the sequence and picks them at the last non-pad token
-    exactly as transformers' GenericForSequenceClassification does. Raises ValueError for a class registered twice."""
-    if class_name in SEQUENCE_HEADS:
-        raise ValueError(f"a sequence head is already registered for {class_name}; register each class once")
-    SEQUENCE_HEADS[class_name] = (head, dict(fingerprints), verified_with)
-
-
-def classification_head_name(model, head: str) -> str | None:
-    """The module name of `model`'s classification head whose output hfcp pools or takes the loss of (None for the
-    other heads).
-
-    Raises:
-        UnsupportedModelError: its forward is not one whose pooling and loss hfcp reproduces under CP (transformers'
-            GenericForSequenceClassification / GenericForTokenClassification forward, or a registered one whose
-            source is the one fingerprinted), or it has no such head module.
-    """
-    if head not in _REPRODUCED:
-        return None
-    forwards, generic, what = _REPRODUCED[head]
-    name = type(model).__name__
-    head_name = forwards.get(getattr(type(model), "forward", None))
-    registered = SEQUENCE_HEADS.get(name) if head == "sequence_classification" else None
-    if head_name is None and registered is not None:
-        head_name, fingerprints, version = registered
-        try:
-            check_source(model, fingerprints, version)
-        except ValueError as e:
-            raise UnsupportedModelError(f"{name}: {e}") from None
-    if head_name is None:
-        raise UnsupportedModelError(
-            f"{name}.forward is not transformers' {generic.__name__}.forward, whose {what} hfcp reproduces under CP: "
-            f"its own forward may pool or compute its loss otherwise (first token, mean, a custom loss), which "
-            "would run on a rank's shard of the sequence. Patch its base model and pool with hfcp.pool_sequence, or "
-            "use a model class built on transformers' generic head")
-    if not isinstance(getattr(model, head_name, None), torch.nn.Module):
-        raise UnsupportedModelError(f"{name} has no {head_name!r} module, the head its forward calls")
-    return head_name
-
 
 def last_non_pad_index(module, kw: dict) -> torch.Tensor:
     """(B,) long: the global index of the token whose score a GenericForSequenceClassification returns, found over

@@ -15,12 +15,12 @@ import torch
 
 from accelerate.hooks import ModelHook, add_hook_to_module
 
-from ..checks import check_same_batch
+from ..distributed.input_checks import check_same_batch
 from ..compiler import eager
 from .batch import as_kwargs
-from .outputs import check_attention_ran, first_field
+from .output_stamps import check_attention_ran, first_field
 from ..distributed.collectives import all_gather
-from ..forward_data import ForwardData
+from ..state import ForwardData
 from ..layout import Layout, build_step_batch
 
 

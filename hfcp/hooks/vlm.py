@@ -16,10 +16,10 @@ from __future__ import annotations
 import functools
 import types
 
-import torch
 from accelerate.hooks import ModelHook
 
-from .batch import as_kwargs, forward_parameters, shard_inputs
+from .batch import as_kwargs, shard_inputs
+from ..families.introspect import forward_parameters
 from ..compiler import eager
 from ..attention.outer_mask import resolve_attention_mask
 from .side_inputs import check_side_inputs, shard_side_inputs, side_input_names
@@ -31,27 +31,6 @@ LANGUAGE_MODEL_INPUTS = frozenset({"input_ids", "inputs_embeds", "position_ids",
                                    "output_hidden_states", "cache_position", "logits_to_keep",
                                    # (an MoE language model's: hfcp's aux loss, loss/router.py)
                                    "output_router_logits"})
-
-
-def find_language_model(model, path: str) -> torch.nn.Module | None:
-    """The language model a VLM feeds with the merged sequence: the module at `path` (its record's
-    Patcher.language_model), if it is there and its config is the VLM's text config; else None."""
-    try:
-        lm = model.get_submodule(path)
-    except AttributeError:
-        return None
-    return lm if getattr(lm, "config", None) is model.config.get_text_config() else None
-
-
-def module_with_config(model, config) -> str | None:
-    """The path of the outermost submodule whose `.config` is `config` (the language model of a VLM for its text
-    config, the vision tower for its vision config), or None when there is none or two at the same depth."""
-    if config is None:
-        return None
-    found = [name for name, m in model.named_modules() if name and getattr(m, "config", None) is config]
-    depth = min((n.count(".") for n in found), default=None)
-    outer = [n for n in found if n.count(".") == depth]
-    return outer[0] if len(outer) == 1 else None
 
 
 class LanguageModelHook(ModelHook):

@@ -14,8 +14,8 @@ import inspect
 import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
-from ..checks import check_same_batch
-from ..hooks.batch import forward_parameters
+from ..distributed.input_checks import check_same_batch
+from ..families.introspect import forward_parameters
 from .kv_cache import ShardedKVCache
 
 CACHE_NAMES = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache (both accepted)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..api import gather_sequence
-from ..families.forward_source import logit_transform
-from ..loss.logps import sequence_logps
+from ..outputs import gather_sequence
+from ..families.forward_reading import logit_transform
+from ..outputs.logps import sequence_logps
 from ..loss.target_logps import with_temperature
 from ..state import find_pretrained
 

@@ -20,7 +20,8 @@ import torch
 from datasets import Dataset, IterableDataset, concatenate_datasets
 from torch.utils.data import DataLoader
 
-from ..api import gather_sequence, patch
+from ..api import patch
+from ..outputs import gather_sequence
 from ..state import cp_state
 from .fused_head import install_cp_fused_head
 from .trainer import UNSET, HfcpTrainerMixin

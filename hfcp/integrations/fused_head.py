@@ -17,11 +17,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..api import gather_sequence
-from ..checks import check_same_batch
+from ..outputs import gather_sequence
+from ..distributed.input_checks import check_same_batch
 from ..hooks.causal_lm import DEFAULT_LOSS_CHUNK
 from ..loss.linear_ce import IGNORE_INDEX, chunk_starts
-from ..loss.head_input import last_hidden_states, output_head, shifted_targets
+from ..outputs.head_input import last_hidden_states, output_head, shifted_targets
 from ..loss.target_logps import LinearTargetLogps, with_temperature
 from ..state import cp_state, find_pretrained
 

@@ -32,7 +32,7 @@ def _run_bounds(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def query_work(spec: MaskSpec, sb: StepBatch) -> torch.Tensor:
     """(B, padded_len) int64: how many keys each query of each row may attend to under `spec` and the step's
-    documents, attention chunks and key padding (the predicate of hfcp.attention.blocks).
+    documents, attention chunks and key padding (the predicate of hfcp.attention.tiles).
 
     Raises:
         ValueError: a spec with bidirectional blocks (image blocks of a vision-language model), which are not counted.

@@ -21,7 +21,7 @@ STATS_ROWS = 1024  # rows of logits per step of add_token_stats
 class LogitTransform:
     """What a causal LM does to its head's output before the loss: logits = out_scale * tanh(scale * z) with
     `tanh`, else scale * z (Cohere's logit_scale, Granite's 1 / logits_scaling, Gemma's final_logit_softcapping
-    as scale 1/c, tanh, out_scale c). Read from the model's forward (families.forward_source.logit_transform)."""
+    as scale 1/c, tanh, out_scale c). Read from the model's forward (families.forward_reading.logit_transform)."""
 
     scale: float = 1.0
     tanh: bool = False

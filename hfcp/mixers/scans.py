@@ -7,7 +7,8 @@ tokens (a `Scan`); while patched, hfcp runs the forward with those names bound t
 - the chunked scan: the family's kernel on each run of this rank's tokens, with the state at the run's start folded
   from the runs before it (state_fold.py), by the kind of decay the kernel has;
 - the per-token decode steps: refused (a cache); a fused training kernel (no halo): declined, so the torch path runs.
-The record checks the code first (source_guard.py): the forward reads these names and no others that mix tokens.
+The record checks the code first (hfcp/families/source_guard.py): the forward reads these names and no others that
+mix tokens.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from transformers.activations import ACT2FN
 
 from .binding import check_step_tokens, local_key_valid
 from .conv_halo import causal_depthwise_conv1d
-from .rebind import with_globals
+from .family_code import with_globals
 from .state_fold import channel_decay_over_ranks, chunked_rule_over_ranks, scalar_decay_over_ranks
 
 

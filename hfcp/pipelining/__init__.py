@@ -13,7 +13,7 @@ from ..families.introspect import decoder_layers, forward_source
 from ..families.registry import UnsupportedModelError
 from ..families.resolve import patcher_for, plan_patch, router_aux_for
 from ..state import Settings, cp_state, find_pretrained
-from ..tiling import mlps_to_tile, tile_tokens
+from ..memory.tiled_mlp import mlps_to_tile, tile_tokens
 from .runner import PipelineRunner
 from .schedule import check_schedule
 from .stage import bind_stage, free_other_parameters, layer_ranges, stage_parameters

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..checks import batch_digest
+from ..distributed.input_checks import batch_digest
 from ..distributed.collectives import all_gather_no_grad
 from .schedule import actions
 from .stage import StageDone

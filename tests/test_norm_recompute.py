@@ -1,13 +1,13 @@
-"""tiled_mlp's norms (hfcp/norm_fold.py), in one process on a tiny Llama with the MLPs tiled and the norms folded by
-hand as hfcp.patch does: the loss and every gradient (the norms' weights included) equal the model's own; each norm
-is recomputed by its readers (q, k and v in tiles in backward, the MLP in its tiles) and its output never kept; a
-reader whose forward drew random numbers (LoRA's dropout) is recomputed in one tile; a norm output changed in place
-after the norm is not folded."""
+"""tiled_mlp's norms (hfcp/memory/norm_recompute.py), in one process on a tiny Llama with the MLPs tiled and the norms
+recomputed by hand as hfcp.patch does: the loss and every gradient (the norms' weights included) equal the model's
+own; each norm is recomputed by its readers (q, k and v in tiles in backward, the MLP in its tiles) and its output
+never kept; a reader whose forward drew random numbers (LoRA's dropout) is recomputed in one tile; a norm output
+changed in place after the norm is not folded."""
 import pytest
 import torch
 
-from hfcp.norm_fold import fold_norms, norms_of, source
-from hfcp.tiling import tile_mlps
+from hfcp.memory.norm_recompute import recompute_norms, norms_of, source
+from hfcp.memory.tiled_mlp import tile_mlps
 from workers_model import make_batch, tiny_model
 
 L, TILE = 32, 8
@@ -31,7 +31,7 @@ def _pair(lora_dropout: float | None, targets=("q_proj",)):
     layers = model.base_model.model.model.layers if lora_dropout is not None else model.model.layers
     mlps = [layer.mlp for layer in layers]
     tile_mlps(mlps, TILE)
-    fold_norms(list(layers), mlps, 32, TILE)
+    recompute_norms(list(layers), mlps, 32, TILE)
     return ref, model, layers
 
 

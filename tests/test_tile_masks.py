@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import masking_utils as mu
 
-from hfcp.attention.blocks import MaskSpec, _allowed, _classify
+from hfcp.attention.tiles import _allowed, _classify
+from hfcp.layout.masks import MaskSpec
 from hfcp.layout import Layout, StepBatch
 from hfcp.attention.outer_mask import hfcp_mask, layer_mask
 

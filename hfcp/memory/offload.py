@@ -22,7 +22,6 @@ import functools
 import torch
 from torch import nn
 
-from .state import check_offload_checkpoints  # noqa: F401 - (hfcp.offload.check_offload_checkpoints)
 
 
 class Offloader:

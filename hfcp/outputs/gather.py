@@ -1,10 +1,11 @@
-"""Model outputs whatever their form (ModelOutput or tuple): their local sequences made whole."""
+"""A patched model's local sequence outputs made whole: one tensor (gather_sequence) or a model's outputs whatever
+their form (gather_outputs: ModelOutput or tuple)."""
 from __future__ import annotations
 
 import torch
 
-from .api import gather_sequence
-from .state import cp_state
+from ..distributed.collectives import all_gather
+from ..state import cp_state
 
 
 def gather_outputs(outputs, model):
@@ -50,3 +51,33 @@ def gather_outputs(outputs, model):
         else:
             outputs[key] = whole(outputs[key], key in state.fwd.local_output_names)
     return outputs
+
+
+def gather_sequence(tensor: torch.Tensor, model, dim: int = 1) -> torch.Tensor:
+    """The full sequence (original order and length) of a local sequence output such as logits.
+
+    Applies to outputs of the model's latest forward (the layout is per step); gather before the next forward.
+    The model's own outputs carry their step: one from an earlier forward, or a dim other than their sequence
+    dimension, is refused (ValueError).
+
+    Differentiable: the backward sums over the CP group and returns each rank its slice (consistent with the
+    loss convention, so mean-over-group grads stay exact). Unpatched models: returns `tensor` unchanged.
+    """
+    state = cp_state(model)
+    if state is None or getattr(tensor, "hfcp_whole", False):  # (logits_to_keep's logits: the same on every rank)
+        return tensor
+    if state.step is None:
+        raise RuntimeError("gather_sequence needs the output of a forward of the patched model")
+    layout = state.step.layout
+    stamp = getattr(tensor, "hfcp_step", None)  # set on the model's own sequence outputs
+    if stamp is not None and stamp is not state.step:
+        raise ValueError("gather_sequence got an output of an earlier forward; the layout is per step, so gather "
+                         "each output before the next forward of the model")
+    if stamp is not None and dim % tensor.dim() != 1:
+        raise ValueError(f"gather_sequence(dim={dim}) of a model output of shape {tuple(tensor.shape)}: its sequence "
+                         "dimension is 1 (batch, seq, ...); pass dim=1")
+    if tensor.shape[dim] != layout.local_len:
+        raise ValueError(f"tensor has {tensor.shape[dim]} tokens along dim {dim}; "
+                         f"the local slice has {layout.local_len}")
+    full = all_gather(tensor, state.mesh.cp_group, dim)
+    return full.index_select(dim, layout.gathered_inverse(full.device))

@@ -13,7 +13,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from .distributed.collectives import all_gather_no_grad
+from .collectives import all_gather_no_grad
 
 BATCH_NAMES = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "token_type_ids", "labels",
                "shift_labels", "num_items_in_batch", "ignore_index", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx",

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_same_batch
+from ..distributed.input_checks import check_same_batch
 from ..distributed.collectives import all_reduce_sum
 from ..state import cp_state, find_pretrained
 from .head_input import last_hidden_states, output_head, shifted_targets
-from .linear_ce import IGNORE_INDEX
-from .target_logps import target_logps, with_temperature
+from ..loss.linear_ce import IGNORE_INDEX
+from ..loss.target_logps import target_logps, with_temperature
 
 # model keywords sequence_logps sets itself or that would make the model compute (or keep) logits
 _OWN_KEYWORDS = ("labels", "shift_labels", "logits_to_keep", "num_items_in_batch", "hfcp_loss_chunk",

@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 from transformers.models.auto import modeling_auto
 
-from ..checks import check_shapes, check_token_range
+from ..distributed.input_checks import check_shapes, check_token_range
 from ..distributed.tensor_parallel import is_sharded
-from ..families.forward_source import logit_transform
+from ..families.forward_reading import logit_transform
 from ..hooks.batch import check_input_dims, vocab_size
-from ..hooks.outputs import swap_forward
+from ..hooks.output_stamps import swap_forward
 from ..state import find_pretrained
-from .cross_entropy import shift_labels
-from .linear_ce import IGNORE_INDEX
+from ..loss.cross_entropy import shift_labels
+from ..loss.linear_ce import IGNORE_INDEX
 
 
 def _is_causal_lm(model) -> bool:

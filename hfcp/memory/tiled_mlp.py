@@ -27,9 +27,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .families.introspect import decoder_layers, forward_source
-from .families.registry import UnsupportedModelError
-from .state import check_tiled_mlp  # noqa: F401 - (hfcp.tiling.check_tiled_mlp, as before)
+from ..families.introspect import decoder_layers, forward_source
+from ..families.registry import UnsupportedModelError
 
 MLP_NAMES = ("mlp", "feed_forward", "ffn")  # a decoder layer's per-token block, by the names transformers uses
 PROBE_TOKENS, PROBE_SPLIT = 64, [7, 57]  # the probes' tokens, and the uneven parts compared with them whole
@@ -37,7 +36,7 @@ PROBE_TOKENS, PROBE_SPLIT = 64, [7, 57]  # the probes' tokens, and the uneven pa
 EXPERTS_NAME = "experts"
 _SEQUENCE_OPS = re.compile(r"dim\s*=\s*(0|1|-2)|\.(sum|mean|cumsum|cumprod|roll|topk|sort|softmax|max|min)\(|conv|"
                            r"router|expert|gather|scatter|index|shape|size\(|view\(|reshape|transpose|permute|cat\(")
-_RANDOM = re.compile(r"dropout|rand|bernoulli|multinomial|noise|jitter")  # tiles would draw other random numbers
+RANDOM_OPS = re.compile(r"dropout|rand|bernoulli|multinomial|noise|jitter")  # tiles would draw other random numbers
 
 
 def tile_tokens(value, config) -> int | None:
@@ -101,7 +100,7 @@ def check_experts(block: nn.Module, width: int) -> str | None:
     experts' output on those whole against in two uneven parts (each part's rows with their own indices and
     weights), in eval and in training mode (a capacity that binds with more rows, or only in training, shows)."""
     experts = getattr(block, EXPERTS_NAME)
-    random = _RANDOM.search(_forward_body(experts) or "")
+    random = RANDOM_OPS.search(forward_body(experts) or "")
     if random:
         return f"its {type(experts).__name__}'s forward uses {random.group(0)!r}: tiles would draw other random numbers"
     params = list(inspect.signature(experts.forward).parameters)
@@ -113,7 +112,7 @@ def check_experts(block: nn.Module, width: int) -> str | None:
         return None  # (not materialised here: the signature check stands, as _probe)
     seen = []
     hook = experts.register_forward_pre_hook(lambda _, args: seen.append(args))
-    x = _probe_input(width, weights[0])[None]  # (width: the hidden size, the block's input)
+    x = probe_input(width, weights[0])[None]  # (width: the hidden size, the block's input)
     training = block.training
     try:
         with torch.no_grad(), forked_rng(weights[0].device):
@@ -127,7 +126,7 @@ def check_experts(block: nn.Module, width: int) -> str | None:
                 experts.train(mode)
                 whole = experts(*seen[0])
                 parts = torch.cat([experts(*part) for part in _tiles(seen[0], PROBE_SPLIT)])
-                why = _compare(whole, parts, f"its {type(experts).__name__}'s output for some tokens changes with "
+                why = compare_tiled(whole, parts, f"its {type(experts).__name__}'s output for some tokens changes with "
                                              "the others" + (" in training" if mode else ""))
                 if why:
                     return why
@@ -145,16 +144,16 @@ def check_per_token(mlp: nn.Module) -> str | None:
         base = getattr(child, "base_layer", child)  # (PEFT's LoRA layers wrap the linear)
         if not isinstance(base, nn.Linear) and not _activation(child):
             return f"its child {type(child).__name__} is neither a linear layer nor an activation"
-    body = _forward_body(mlp)
+    body = forward_body(mlp)
     if body is None:
         return "its forward's source cannot be read"
-    op = _SEQUENCE_OPS.search(body) or _RANDOM.search(body)
+    op = _SEQUENCE_OPS.search(body) or RANDOM_OPS.search(body)
     if op:
         return f"its forward uses {op.group(0)!r}"
     return _probe(mlp)
 
 
-def _forward_body(module: nn.Module) -> str | None:
+def forward_body(module: nn.Module) -> str | None:
     """The statements of the module's forward, without its signature and docstring."""
     source = forward_source(module)
     try:
@@ -179,7 +178,7 @@ def _probe(mlp: nn.Module) -> str | None:
     weights = list(mlp.parameters())
     if not weights or any(p.is_meta or p.numel() == 0 or hasattr(p, "to_local") for p in weights):
         return None
-    x = _probe_input(next(c for c in mlp.modules() if isinstance(c, nn.Linear)).in_features, weights[0])[None]
+    x = probe_input(next(c for c in mlp.modules() if isinstance(c, nn.Linear)).in_features, weights[0])[None]
     training = mlp.training
     mlp.eval()  # (its children are linear layers and activations: training differs only by LoRA's dropout)
     try:
@@ -188,10 +187,10 @@ def _probe(mlp: nn.Module) -> str | None:
             parts = torch.cat([mlp(part) for part in x.split(PROBE_SPLIT, dim=1)], dim=1)
     finally:
         mlp.train(training)
-    return _compare(whole, parts, "its output for some tokens changes with the others")
+    return compare_tiled(whole, parts, "its output for some tokens changes with the others")
 
 
-def _probe_input(width: int, like: torch.Tensor) -> torch.Tensor:
+def probe_input(width: int, like: torch.Tensor) -> torch.Tensor:
     g = torch.Generator(device="cpu").manual_seed(0)
     return torch.randn(PROBE_TOKENS, width, generator=g).to(like.device, like.dtype)
 
@@ -203,7 +202,7 @@ def forked_rng(device: torch.device):
                                  device_type=device.type if accelerator else "cuda")
 
 
-def _compare(whole, halves, differs: str) -> str | None:
+def compare_tiled(whole, halves, differs: str) -> str | None:
     if not isinstance(whole, torch.Tensor) or whole.shape != halves.shape:
         return "its output is not one tensor per token"
     scale = float(whole.abs().max()) or 1.0
@@ -400,8 +399,8 @@ def tiled_forward(module: nn.Module, forward, tile: int):
                 not all(isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-2] == n for a in args):
             return forward(*args, **kwargs)
         check_gathered_once(module)
-        fold = run.hfcp_fold(module, forward, args) if run.hfcp_fold is not None and torch.is_grad_enabled() else None
-        if fold is not None:  # (args: exactly a norm's output: the norm recomputed in each tile, see norm_fold.py)
+        fold = run.hfcp_norm(module, forward, args) if run.hfcp_norm is not None and torch.is_grad_enabled() else None
+        if fold is not None:  # (args: exactly a norm's output: the norm recomputed in each tile, see norm_recompute.py)
             call, x, params = fold
             return tiled_call(call, tile, 1, x, *params)
         if not torch.is_grad_enabled():  # (a training forward without autograd's record, such as reentrant
@@ -411,7 +410,7 @@ def tiled_forward(module: nn.Module, forward, tile: int):
         params = [p for p in module.parameters() if p.requires_grad]
         return tiled_call(forward, tile, len(args), *args, *params)
 
-    run.hfcp_tile, run.hfcp_fold = tile, None  # (hfcp_fold: set by norm_fold.fold_norms)
+    run.hfcp_tile, run.hfcp_norm = tile, None  # (hfcp_norm: set by norm_recompute.recompute_norms)
     return run
 
 

@@ -10,20 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .distributed.collectives import all_reduce_sum
-from .state import cp_state
+from ..distributed.collectives import all_reduce_sum, pick_global_rows
+from ..state import cp_state
 
 POOLINGS = ("mean", "last")
-
-
-def pick_global_rows(x: torch.Tensor, index: torch.Tensor, step, group) -> torch.Tensor:
-    """(B, L/cp, D) local sequence, (B,) global token indices -> (B, D): row b's token index[b], whole on every rank
-    (the rank that holds it gives it, the others zeros; summed over the group)."""
-    local = step.layout.local_index(step.rank, x.device)  # (L/cp,) global index of each local token
-    hit = local[None, :] == index[:, None]  # (B, L/cp): at most one True per row, on one rank
-    rows = x[torch.arange(x.shape[0], device=x.device), hit.to(torch.int32).argmax(1)]  # (B, D)
-    rows = torch.where(hit.any(1)[:, None], rows, torch.zeros_like(rows))  # (no NaN from another rank's rows)
-    return all_reduce_sum(rows, group)
 
 
 def pool_sequence(hidden_states: torch.Tensor, model, attention_mask: torch.Tensor | None = None,

@@ -4,7 +4,7 @@
   padding rule, convolution and scan);
 - `ModuleView`: a module whose code reads some attributes from hfcp instead (RecurrentGemma's convolution and scan).
 
-Either way the code is the family's, checked first against the record's fingerprints (source_guard.py)."""
+Either way the code is the family's, checked first against the record's fingerprints (hfcp/families/source_guard.py)."""
 from __future__ import annotations
 
 import types

@@ -23,8 +23,8 @@ import weakref
 import torch
 from torch import nn
 
-from .compiler import compiling
-from .tiling import PROBE_SPLIT, tiled_call, _compare, _forward_body, _probe_input, _RANDOM
+from ..compiler import compiling
+from .tiled_mlp import PROBE_SPLIT, RANDOM_OPS, compare_tiled, forward_body, probe_input, tiled_call
 
 _REPLAYING = contextvars.ContextVar("hfcp_norm_replaying", default=False)  # (a consumer's own call of the norm)
 
@@ -49,17 +49,17 @@ def check_norm(norm: nn.Module, width: int) -> str | None:
     """Why `norm` may not compute each token alone, or None when it does: no random numbers in its forward, and
     the output of PROBE_TOKENS tokens whole against two uneven parts (eval mode; skipped where its weights are not
     materialised here)."""
-    body = _forward_body(norm)
+    body = forward_body(norm)
     if body is None:
         return "its forward's source cannot be read"
-    random = _RANDOM.search(body)
+    random = RANDOM_OPS.search(body)
     if random:
         return f"its forward uses {random.group(0)!r}"
     weights = list(norm.parameters())
     if any(p.is_meta or p.numel() == 0 or hasattr(p, "to_local") for p in weights):
         return None
     like = weights[0] if weights else torch.empty(0)
-    x = _probe_input(width, like)[None]
+    x = probe_input(width, like)[None]
     training = norm.training
     norm.eval()
     try:
@@ -70,7 +70,7 @@ def check_norm(norm: nn.Module, width: int) -> str | None:
         return f"its probe raised {type(e).__name__}: {e}"
     finally:
         norm.train(training)
-    return _compare(whole, parts, "its output for some tokens changes with the others")
+    return compare_tiled(whole, parts, "its output for some tokens changes with the others")
 
 
 def _tapped(norm: nn.Module, forward):
@@ -129,7 +129,7 @@ def trainable(*modules: nn.Module) -> list[torch.Tensor]:
 
 
 def _folding(norms: list[nn.Module]):
-    """A tiled MLP's hfcp_fold: (norm then the MLP, the norm's input, their trainable weights) where the MLP's
+    """A tiled MLP's hfcp_norm: (norm then the MLP, the norm's input, their trainable weights) where the MLP's
     argument is one of `norms`' outputs, else None."""
 
     def fold(module: nn.Module, forward, args: tuple):
@@ -173,7 +173,7 @@ def _gathered_per_layer(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") or hasattr(p, "to_local") for p in module.parameters())
 
 
-def fold_norms(layers: list[nn.Module], mlps: list[nn.Module], width: int, tile: int):
+def recompute_norms(layers: list[nn.Module], mlps: list[nn.Module], width: int, tile: int):
     """Tap each decoder layer's norms that compute each token alone, recompute them in the linear layers of the
     layer's mixers and in its tiled MLPs (those of `mlps`, whose forward tiled_forward bound); tile: tiled_mlp's
     tokens a tile. Returns the undo."""
@@ -196,8 +196,8 @@ def fold_norms(layers: list[nn.Module], mlps: list[nn.Module], width: int, tile:
             module.forward = wrap(module, module.forward, norms, tile) if wrap is _recomputed else \
                 wrap(module, module.forward)
         for mlp in own:
-            if hasattr(mlp.forward, "hfcp_fold"):
-                mlp.forward.hfcp_fold = _folding(norms)
+            if hasattr(mlp.forward, "hfcp_norm"):
+                mlp.forward.hfcp_norm = _folding(norms)
 
     def undo():
         for module, before in reversed(bound):
@@ -207,6 +207,6 @@ def fold_norms(layers: list[nn.Module], mlps: list[nn.Module], width: int, tile:
             else:
                 module.forward = before
         for mlp in mlps:
-            if hasattr(mlp.__dict__.get("forward"), "hfcp_fold"):
-                mlp.forward.hfcp_fold = None
+            if hasattr(mlp.__dict__.get("forward"), "hfcp_norm"):
+                mlp.forward.hfcp_norm = None
     return undo

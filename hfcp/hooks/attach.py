@@ -12,18 +12,20 @@ import functools
 
 from accelerate.hooks import ModelHook, SequentialHook, add_hook_to_module, remove_hook_from_module
 
-from .attention.interface import KEY
-from .families.resolve import Plan
-from .hooks import rope, vision, vlm
-from .hooks.causal_lm import LossHook, ShardSequenceHook
-from .hooks.heads import SequenceClassificationHook, classification_head_name
-from .hooks.synced_batch_norm import bind_batch_norms, unbind_batch_norms
-from .hooks.tower_split import TowerSplitHook, split_mode, syncs_batch_norm
-from .hooks.vlm import LanguageModelHook
-from .inference import generate
-from .loss.router import RouterStatsHook
-from .mixers import bind, unbind
-from .state import CPState
+from ..attention.interface import KEY
+from ..families.resolve import Plan
+from . import rope, vision, vlm
+from .causal_lm import LossHook, ShardSequenceHook
+from .heads import SequenceClassificationHook
+from ..families.heads import classification_head_name
+from .synced_batch_norm import bind_batch_norms, unbind_batch_norms
+from .tower_split import TowerSplitHook
+from ..families.towers import split_mode, syncs_batch_norm
+from .vlm import LanguageModelHook
+from ..inference import generate
+from .router import RouterStatsHook
+from ..mixers import bind, unbind
+from ..state import CPState
 
 
 def attach_attention(state: CPState, inner, plan: Plan) -> None:
