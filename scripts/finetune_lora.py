@@ -40,8 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from finetune_data import (  # noqa: E402
+from finetune_data import (
     LONG_SHARE, MIN_SEQ_LEN, ByteTokenizer, curriculum_rows, encode_document, key_document, key_span, load_texts, pack,
 )
 

@@ -20,20 +20,20 @@ step() {  # step SECONDS COMMAND...: run COMMAND under its own time limit; note 
 step 90 python -m pytest -q -m gpu tests/test_gpu.py
 # the tile kernels: hfcp against SDPA's flash backend at 8K-32K tokens, and each emulated rank's tiles of a packed row
 # at cp 2 / 4, balance='auto' against 'row' (every step of it has its own limit too)
-step 120 python scripts/gpu_kernels_check.py --step-timeout 20 --json runs/gpu_kernels.json
-step 60 python scripts/bench.py --level attention --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_attention
-step 60 python scripts/bench.py --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_model
+step 120 python scripts/tools/gpu_kernels_check.py --step-timeout 20 --json runs/gpu_kernels.json
+step 60 python scripts/bench/bench.py --level attention --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_attention
+step 60 python scripts/bench/bench.py --lengths 8192 32768 --cps 1 --repeats 3 --out runs/bench_gpu_model
 # the full fine-tune mode on the GPU (one process: FSDP2 applies from two GPUs on, with the same command under
 # accelerate launch --multi_gpu --num_processes N)
 step 60 python scripts/finetune_lora.py --full-finetune --max-steps 20 --seq-len 4096 --eval-docs 2 --output-dir runs/gpu_full_finetune
 # generation after a long prompt on the GPU (one process; under accelerate launch --multi_gpu --num_processes N the
 # prompt and its KV cache spread over the GPUs), with --check against the unpatched model
-step 60 python scripts/generate_long.py --prompt-tokens 32768 --max-new-tokens 32 --width 256 --layers 4 --check --json runs/gpu_generate.json
+step 60 python scripts/examples/generate_long.py --prompt-tokens 32768 --max-new-tokens 32 --width 256 --layers 4 --check --json runs/gpu_generate.json
 # tensor parallelism x CP over NCCL (tp 2 x cp 2) when the machine has four GPUs
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 4 ]; then
-  for s in ring ulysses; do step 90 torchrun --standalone --nproc-per-node 4 scripts/check_tp_cp.py --strategy "$s"; done
+  for s in ring ulysses; do step 90 torchrun --standalone --nproc-per-node 4 scripts/tools/check_tp_cp.py --strategy "$s"; done
 else
-  echo "gpu_check.sh: fewer than 4 GPUs, the tensor-parallel x CP check (scripts/check_tp_cp.py) is skipped"
+  echo "gpu_check.sh: fewer than 4 GPUs, the tensor-parallel x CP check (scripts/tools/check_tp_cp.py) is skipped"
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'gpu_check.sh: %d step(s) failed or timed out:\n' "${#failed[@]}" >&2

@@ -11,7 +11,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dist_pool import DistPool  # noqa: E402
+from hfcp.testing.dist_pool import DistPool  # noqa: E402
 
 # what a quick loop (pytest -m "not sweep and not e2e") leaves out: the sweeps over every family transformers ships,
 # and the end-to-end runs of the job, the scripts and the hfcp command in processes of their own

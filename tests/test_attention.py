@@ -63,20 +63,20 @@ def test_kernel_pieces_are_exact(pool2, strategy, mask):
 def test_kernel_pieces_cover_the_tile(monkeypatch):
     """A causal tile's pieces cover exactly its lower triangle, each once, none larger than KERNEL_TILE; a full
     tile's pieces cover it whole; a masked tile stays whole."""
-    from hfcp.attention import blocks
+    from hfcp.attention import tiles as tiling
 
-    monkeypatch.setattr(blocks, "KERNEL_TILE", 8)
-    for tile, want in ((blocks.Tile(3, 21, 5, 21, is_causal=True), torch.ones(21, 21).tril()),
-                       (blocks.Tile(3, 21, 5, 17), torch.ones(21, 17))):
+    monkeypatch.setattr(tiling, "KERNEL_TILE", 8)
+    for tile, want in ((tiling.Tile(3, 21, 5, 21, is_causal=True), torch.ones(21, 21).tril()),
+                       (tiling.Tile(3, 21, 5, 17), torch.ones(21, 17))):
         seen = torch.zeros_like(want)
-        pieces = blocks.kernel_pieces(tile)
+        pieces = tiling.kernel_pieces(tile)
         for p in pieces:
             assert p.q_len <= 8 and p.k_len <= 8 and (not p.is_causal or p.q_len == p.k_len), p
             block = torch.ones(p.q_len, p.k_len).tril() if p.is_causal else torch.ones(p.q_len, p.k_len)
             seen[p.q_off - 3 : p.q_off - 3 + p.q_len, p.k_off - 5 : p.k_off - 5 + p.k_len] += block
         assert len(pieces) > 3 and torch.equal(seen, want)
-    masked = blocks.Tile(0, 20, 0, 20, mask=torch.zeros(1, 1, 20, 20))
-    assert blocks.kernel_pieces(masked) == [masked]
+    masked = tiling.Tile(0, 20, 0, 20, mask=torch.zeros(1, 1, 20, 20))
+    assert tiling.kernel_pieces(masked) == [masked]
 
 
 def test_bf16_within_bf16_tolerance(pool2):
@@ -99,7 +99,8 @@ def test_ulysses_indivisible_heads_names_both_numbers(pool2):
 def test_math_kernel_tiles_match_dense(monkeypatch):
     """The plain-math tile kernel (used off CPU, every tile split to MAX_TILE) equals dense attention,
     forward and backward."""
-    from hfcp.attention import blocks, kernels
+    from hfcp.attention import kernels
+    from hfcp.attention import tiles as tiling
     from hfcp.layout import Layout, build_step_batch
 
     case = dict(B=2, H=4, Hkv=2, L=40, causal=True, packed=True, window=9)
@@ -108,18 +109,18 @@ def test_math_kernel_tiles_match_dense(monkeypatch):
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref = W.dense_attention(qr, kr, vr, W.dense_allowed(case, pos, mask), scale)
     ref.backward(dout)
-    monkeypatch.setattr(blocks, "has_fused_kernel", lambda device, dtype: False)  # the math-kernel path
-    monkeypatch.setattr(blocks, "kernel_forward", kernels.reference_forward)
-    monkeypatch.setattr(blocks, "kernel_backward", kernels.reference_backward)
-    monkeypatch.setattr(blocks, "MAX_TILE", 8)
+    monkeypatch.setattr(tiling, "has_fused_kernel", lambda device, dtype: False)  # the math-kernel path
+    monkeypatch.setattr(tiling, "kernel_forward", kernels.reference_forward)
+    monkeypatch.setattr(tiling, "kernel_backward", kernels.reference_backward)
+    monkeypatch.setattr(tiling, "MAX_TILE", 8)
     sb = build_step_batch(Layout(40, 1, zigzag=False), 0, 2, pos, mask, "cpu")
-    tiles = blocks.plan_tiles(blocks.MaskSpec(True, 9), sb, [(0, 40)], [(0, 40)], q.dtype, q.device)
+    tiles = tiling.plan_tiles(tiling.MaskSpec(True, 9), sb, [(0, 40)], [(0, 40)], q.dtype, q.device)
     assert len(tiles) > 5 and all(t.q_len * t.k_len <= 64 for t in tiles)
-    out, lse = blocks.new_accumulators(q)
-    blocks.forward_tiles(q, k, v, tiles, scale, out, lse)
+    out, lse = tiling.new_accumulators(q)
+    tiling.forward_tiles(q, k, v, tiles, scale, out, lse)
     assert float((out - ref).abs().max()) < 1e-5
     dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-    blocks.backward_tiles(dout, q, k, v, out, lse, tiles, scale, dq, dk, dv)
+    tiling.backward_tiles(dout, q, k, v, out, lse, tiles, scale, dq, dk, dv)
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         assert float((got - want).abs().max() / want.abs().max()) < 1e-5
 

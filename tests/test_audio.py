@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-import sweep_audio as S
+from hfcp.testing.sweeps import audio as S
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "tools"))
 import support_matrix  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def test_no_audio_model_is_silently_wrong_or_crashes(sweep):
 def test_audio_matrix_is_current(sweep):
     page = support_matrix.MATRIX_PAGE.read_text()
     assert support_matrix.render_audio_table(sweep) in page, (
-        "docs' audio matrix is stale: run scripts/support_matrix.py")
+        "docs' audio matrix is stale: run scripts/tools/support_matrix.py")
 
 
 @pytest.mark.parametrize("model_type, side", [("qwen2_audio", "left"), ("qwen2_5_omni_thinker", "left"),

@@ -2,8 +2,6 @@
 (hfcp.layout.work): counted, no processes. Per-rank work is checked against a brute-force count over each rank's local
 indices written here from the masks' definitions (documents from position_ids resets, causal, sliding window, attention
 chunks, key padding)."""
-import math
-import random
 
 import pytest
 import torch
@@ -12,26 +10,9 @@ from hfcp.layout.masks import MaskSpec
 from hfcp.layout.balance import balanced_layout, plan_ranges, segment_starts
 from hfcp.layout import Layout, build_step_batch, check_plan
 from hfcp.layout.work import imbalance, position_work, rank_work
+from hfcp.testing.packed_rows import documents, long_tail, one_long
 
 CAUSAL = [(MaskSpec(True, None), 1)]
-
-
-def documents(lengths) -> torch.Tensor:
-    """(L,) position ids of documents of these lengths packed into one row."""
-    return torch.cat([torch.arange(n) for n in lengths])
-
-
-def long_tail(length: int, seed: int, median: int = 1100, sigma: float = 1.0) -> list[int]:
-    """Document lengths (lognormal, a long tail) filling a row of `length` tokens (the last cut to fit)."""
-    rng, out = random.Random(seed), []
-    while sum(out) < length:
-        out.append(min(max(1, int(rng.lognormvariate(math.log(median), sigma))), length - sum(out)))
-    return out
-
-
-def one_long(length: int, seed: int) -> list[int]:
-    """A document of half the row, then short ones."""
-    return [length // 2] + long_tail(length - length // 2, seed, sigma=0.6)
 
 
 def plan(position_ids, cp: int, masks=CAUSAL, attention_mask=None, seq_len=None):

@@ -1,4 +1,4 @@
-"""Smoke test of scripts/bench.py (the real benchmark is run by hand; see docs/performance.md)."""
+"""Smoke test of scripts/bench/bench.py (the real benchmark is run by hand; see docs/performance.md)."""
 import json
 import subprocess
 import sys
@@ -12,16 +12,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """bench.py --quick's process and output directory, and the full fine-tune measurements of one and two ranks
-    (scripts/bench_full.py through bench.measure_full), all three started at the same time (each is a chain of
+    """bench/bench.py --quick's process and output directory, and the full fine-tune measurements of one and two ranks
+    (scripts/bench/full.py through bench.measure_full), all three started at the same time (each is a chain of
     process starts; side by side they share the cores instead of following each other)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     import bench
 
     out = tmp_path_factory.mktemp("bench")
     with ThreadPoolExecutor(3) as threads:
-        quick = threads.submit(subprocess.run, [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out",
-                                                str(out)], capture_output=True, text=True, timeout=300)
+        quick = threads.submit(subprocess.run, [sys.executable, str(ROOT / "scripts" / "bench" / "bench.py"), "--quick",
+                                                "--out", str(out)], capture_output=True, text=True, timeout=300)
         one, two = (threads.submit(bench.measure_full, 128, 512, world) for world in (1, 2))
         return {"quick": (quick.result(), out), "full": (one.result(), two.result())}
 
@@ -37,20 +37,20 @@ def test_bench_quick_runs_and_losses_agree(runs):
 
 
 def test_full_finetune_measurement_shards_the_state(runs):
-    """scripts/bench_full.py (bench.py --level full): parameters, gradients and AdamW moments per rank halve over
+    """scripts/bench/full.py (bench/bench.py --level full): parameters, gradients and AdamW moments per rank halve over
     two ranks, and the measured peak covers them."""
     one, two = runs["full"]
-    assert one and two, "a measurement failed (see scripts/bench_full.py)"
+    assert one and two, "a measurement failed (see scripts/bench/full.py)"
     assert abs(two["state_mb"] - one["state_mb"] / 2) <= 0.01 * one["state_mb"], (one, two)
     assert one["peak_mem_mb"] > one["state_mb"] and two["peak_mem_mb"] > two["state_mb"], (one, two)
 
 
 def test_frontier_search_finds_the_longest_fitting_length():
     """The search itself, against a made-up memory model: peak = 100 MB / world + L / 8 MB per rank."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     import argparse
 
-    import bench_full
+    import full as bench_full
 
     def run(hidden, L, world):
         return {"peak_mem_mb": 100 / world + L / 8, "state_mb": 100 / world, "params_m": 1.0}

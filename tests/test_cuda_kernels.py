@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfcp.attention import blocks, cuda_kernels, kernels
+from hfcp.attention import cuda_kernels, kernels
+from hfcp.attention import tiles as tiling
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -222,15 +223,16 @@ def test_planner_masks_stay_plain_on_cpu():
 
     pos = torch.cat([torch.arange(30), torch.arange(34)])[None]
     sb = build_step_batch(Layout(64, 1, zigzag=False), 0, 1, pos, None, "cpu")
-    tiles = blocks.plan_tiles(blocks.MaskSpec(True, None), sb, [(0, 64)], [(0, 64)], F32, torch.device("cpu"))
+    tiles = tiling.plan_tiles(tiling.MaskSpec(True, None), sb, [(0, 64)], [(0, 64)], F32, torch.device("cpu"))
     masked = [t for t in tiles if t.mask is not None]
     assert masked and all(t.mask.is_contiguous() for t in masked)
 
 
 def test_gpu_kernels_check_cpu_smoke(tmp_path):
-    """scripts/gpu_kernels_check.py --cpu-smoke: both parts run (imports and torch APIs as on the GPU) and report."""
+    """scripts/tools/gpu_kernels_check.py --cpu-smoke: both parts run (imports and torch APIs as on the GPU) and
+    report."""
     out = tmp_path / "kernels.json"
-    r = subprocess.run([sys.executable, "scripts/gpu_kernels_check.py", "--cpu-smoke", "--json", str(out)],
+    r = subprocess.run([sys.executable, "scripts/tools/gpu_kernels_check.py", "--cpu-smoke", "--json", str(out)],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

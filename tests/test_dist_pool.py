@@ -1,4 +1,4 @@
-"""The test pool itself (tests/dist_pool.py): a task's process groups outlive every rank's part of the task."""
+"""The test pool itself (hfcp/testing/dist_pool.py): a task's process groups outlive every rank's part of the task."""
 import os
 import signal
 import subprocess

@@ -19,14 +19,25 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 API = DOCS / "reference" / "api.md"
 # paths users were told about in guides and error messages, documented on the API page beside the package's __all__
-OTHER_PUBLIC = ["hfcp.inference.kv_cache.ShardedKVCache", "hfcp.testing.tiny.tiny_config", "hfcp.testing.tiny.tiny_model",
-                "hfcp.testing.tiny_vlm.tiny_vlm", "hfcp.testing.tiny_vlm.text_batch", "hfcp.testing.tiny_vlm.image_batch",
-                "hfcp.testing.tiny_vlm.video_batch", "hfcp.testing.tiny_audio.tiny_audio", "hfcp.testing.tiny_audio.text_batch",
-                "hfcp.testing.tiny_audio.audio_batch", "hfcp.testing.tiny_audio.mixed_audio_batch",
-                "hfcp.attention.volume.comm_bytes",
-                "hfcp.attention.volume.conv_halo_bytes", "hfcp.attention.volume.state_fold_bytes",
-                "hfcp.attention.volume.scalar_fold_bytes", "hfcp.attention.volume.channel_fold_bytes",
-                "hfcp.attention.mesh_volume.layout_bytes"]
+OTHER_PUBLIC = [
+    "hfcp.inference.kv_cache.ShardedKVCache",
+    "hfcp.testing.tiny.tiny_config",
+    "hfcp.testing.tiny.tiny_model",
+    "hfcp.testing.tiny_vlm.tiny_vlm",
+    "hfcp.testing.tiny_vlm.text_batch",
+    "hfcp.testing.tiny_vlm.image_batch",
+    "hfcp.testing.tiny_vlm.video_batch",
+    "hfcp.testing.tiny_audio.tiny_audio",
+    "hfcp.testing.tiny_audio.text_batch",
+    "hfcp.testing.tiny_audio.audio_batch",
+    "hfcp.testing.tiny_audio.mixed_audio_batch",
+    "hfcp.attention.volume.comm_bytes",
+    "hfcp.attention.volume.conv_halo_bytes",
+    "hfcp.attention.volume.state_fold_bytes",
+    "hfcp.attention.volume.scalar_fold_bytes",
+    "hfcp.attention.volume.channel_fold_bytes",
+    "hfcp.attention.mesh_volume.layout_bytes",
+]
 
 
 def public_names() -> list[str]:

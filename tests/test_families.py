@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-import sweep_families as S
+from hfcp.testing.sweeps import families as S
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "tools"))
 import support_matrix  # noqa: E402
 
 
@@ -32,11 +32,12 @@ def test_generated_support_matrix_is_current(sweep):
     from hfcp.patches import verified
 
     assert transformers.__version__ == verified.TRANSFORMERS_VERSION, \
-        "the family matrix was made with another transformers: run python scripts/support_matrix.py"
+        "the family matrix was made with another transformers: run python scripts/tools/support_matrix.py"
     assert list(verified.VERIFIED) == support_matrix.verified_types(sweep), \
-        "patches/verified.py is stale: run python scripts/support_matrix.py"
+        "patches/verified.py is stale: run python scripts/tools/support_matrix.py"
     page = support_matrix.MATRIX_PAGE.read_text()
-    assert support_matrix.render_table(sweep) in page, "docs' support matrix is stale: run scripts/support_matrix.py"
+    assert support_matrix.render_table(sweep) in page, \
+        "docs' support matrix is stale: run scripts/tools/support_matrix.py"
 
 
 def test_families_refused_for_their_features(pool2):

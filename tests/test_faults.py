@@ -2,7 +2,7 @@
 import pytest
 
 import workers_faults as W
-from dist_pool import DistPool
+from hfcp.testing.dist_pool import DistPool
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ def test_flash_kernel_passes_its_self_check_and_takes_unmasked_tiles(dtype):
 def test_cuda_tiles_match_dense(case, dtype):
     """Block planner + CUDA kernels (bf16: flash for unmasked tiles, memory-efficient for masked ones; fp32: the
     memory-efficient kernel), forward and backward, against fp32 dense attention (one GPU)."""
-    from hfcp.attention import blocks
+    from hfcp.attention import tiles as tiling
     from hfcp.layout import Layout, build_step_batch
 
     case = dict(B=2, H=4, Hkv=2, L=300, **case)
@@ -48,12 +48,12 @@ def test_cuda_tiles_match_dense(case, dtype):
     pos = pos.to(dev) if pos is not None else None
     mask = mask.to(dev) if mask is not None else None
     sb = build_step_batch(Layout(300, 1, zigzag=False), 0, 2, pos, mask, dev)
-    spec = blocks.MaskSpec(case["causal"], case.get("window"))
-    tiles = blocks.plan_tiles(spec, sb, [(0, 150), (150, 150)], [(0, 150), (150, 150)], q.dtype, dev)
-    out, lse = blocks.new_accumulators(q)
-    blocks.forward_tiles(q, k, v, tiles, 8 ** -0.5, out, lse)
+    spec = tiling.MaskSpec(case["causal"], case.get("window"))
+    tiles = tiling.plan_tiles(spec, sb, [(0, 150), (150, 150)], [(0, 150), (150, 150)], q.dtype, dev)
+    out, lse = tiling.new_accumulators(q)
+    tiling.forward_tiles(q, k, v, tiles, 8 ** -0.5, out, lse)
     dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
-    blocks.backward_tiles(dout, q, k, v, out.to(q.dtype), lse, tiles, 8 ** -0.5, dq, dk, dv)
+    tiling.backward_tiles(dout, q, k, v, out.to(q.dtype), lse, tiles, 8 ** -0.5, dq, dk, dv)
     valid = W.dense_allowed(case, pos.cpu() if pos is not None else None,
                             mask.cpu() if mask is not None else None).any(-1)[..., None]
     tol = 1e-4 if dtype == torch.float32 else 3e-2

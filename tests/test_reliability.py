@@ -3,7 +3,7 @@ import pytest
 
 import workers_faults as WF
 import workers_reliability as W
-from dist_pool import DistPool
+from hfcp.testing.dist_pool import DistPool
 
 
 @pytest.mark.parametrize("kind", ["content", "shape"])

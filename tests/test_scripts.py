@@ -1,5 +1,5 @@
 """Every script in scripts/ runs as the docs document it (tiny settings). finetune_lora.py: test_finetune.py;
-bench.py (and bench_step.py, which it launches): test_bench.py; smollm2_checkpoint.py: test_real_model.py."""
+bench/bench.py (and bench/step.py, which it launches): test_bench.py; smollm2_checkpoint.py: test_real_model.py."""
 import json
 import os
 import re
@@ -10,34 +10,34 @@ from pathlib import Path
 import pytest
 from launches import LAUNCH, ROOT, in_one_process, run_together, scripts_results
 
-BENCH_VLM = [sys.executable, "scripts/bench_vlm.py", "--repeats", "1", "--width", "64", "--layers", "1"]
+BENCH_VLM = [sys.executable, "scripts/bench/vlm.py", "--repeats", "1", "--width", "64", "--layers", "1"]
 
 # the scripts run under one accelerate launch (2 processes), one after the other in its processes
 LAUNCHED = {
-    "example_two": lambda tmp: ["scripts/example_cp.py", "--seq-len", "128", "--steps", "2"],
-    "video_long": lambda tmp: ["scripts/video_long.py", "--frames", "16", "--image-size", "32"],
-    "generate_long": lambda tmp: ["scripts/generate_long.py", "--prompt-tokens", "600", "--max-new-tokens", "6",
-                                  "--check", "--json", str(tmp / "summary.json")],
-    "bench_packed": lambda tmp: ["scripts/bench_packed.py", "--length", "1024", "--workloads", "long-tail", "--rounds",
+    "example_two": lambda tmp: ["scripts/examples/example_cp.py", "--seq-len", "128", "--steps", "2"],
+    "video_long": lambda tmp: ["scripts/examples/video_long.py", "--frames", "16", "--image-size", "32"],
+    "generate_long": lambda tmp: ["scripts/examples/generate_long.py", "--prompt-tokens", "600", "--max-new-tokens",
+                                  "6", "--check", "--json", str(tmp / "summary.json")],
+    "bench_packed": lambda tmp: ["scripts/bench/packed.py", "--length", "1024", "--workloads", "long-tail", "--rounds",
                                  "1", "--out", str(tmp / "packed.json")],
 }
 # each script run the tests below read (that launch one of them), started at the same time
 RUNS = {
-    "example_one": lambda tmp: [sys.executable, "scripts/example_cp.py", "--seq-len", "128", "--steps", "2"],
+    "example_one": lambda tmp: [sys.executable, "scripts/examples/example_cp.py", "--seq-len", "128", "--steps", "2"],
     "launched": lambda tmp: [*LAUNCH, *in_one_process({n: cmd(tmp) for n, cmd in LAUNCHED.items()}, tmp, "launched")],
     "vlm_images": lambda tmp: [*BENCH_VLM, "--images", "4", "--cps", "1"],
     "vlm_video": lambda tmp: [*BENCH_VLM, "--video", "8", "--cps", "2", "--one-launch"],
     "vlm_audio": lambda tmp: [*BENCH_VLM, "--audio", "3", "--cps", "2", "--one-launch"],
-    "bench_generate": lambda tmp: [sys.executable, "scripts/bench_generate.py", "--lengths", "200", "--cps", "1",
+    "bench_generate": lambda tmp: [sys.executable, "scripts/bench/generate.py", "--lengths", "200", "--cps", "1",
                                    "--new-tokens", "3", "--width", "64", "--layers", "1", "--json",
                                    str(tmp / "rows.json")],
     "reach_phases": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                 "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--phases",
+                                 "scripts/bench/reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--phases",
                                  "--census"],
-    "reach_time": lambda tmp: [sys.executable, "scripts/bench_reach_time.py", "--seq-len", "1024", "--rounds", "2"],
+    "reach_time": lambda tmp: [sys.executable, "scripts/bench/reach_time.py", "--seq-len", "1024", "--rounds", "2"],
     "reach_saved": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                "scripts/bench_reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--saved"],
-    "bench_dpo": lambda tmp: [sys.executable, "scripts/bench_dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
+                                "scripts/bench/reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--saved"],
+    "bench_dpo": lambda tmp: [sys.executable, "scripts/bench/dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
                               "512", "--side-by-side", "--json", str(tmp / "bench_dpo.json")],
 }
 
@@ -51,10 +51,28 @@ def runs(tmp_path_factory):
     return {name: (r, tmp) for name, r in done.items()}
 
 
+def scripts() -> list[Path]:
+    return sorted(p for p in (ROOT / "scripts").rglob("*") if p.suffix in (".py", ".sh"))
+
+
 def test_every_script_is_listed_in_the_scripts_reference():
     page = (ROOT / "docs" / "reference" / "scripts.md").read_text()
-    for script in sorted((ROOT / "scripts").glob("*.*")):
-        assert f"`scripts/{script.name}`" in page, f"docs/reference/scripts.md does not list scripts/{script.name}"
+    for script in scripts():
+        name = script.relative_to(ROOT).as_posix()
+        assert f"`{name}`" in page, f"docs/reference/scripts.md does not list {name}"
+
+
+def test_scripts_are_sorted_by_kind_and_stand_alone():
+    """The job and its modes at scripts/ (at most 10 Python files), the rest in examples/, bench/ and tools/; no script
+    edits sys.path or imports the tests (what they share with the tests is in hfcp.testing)."""
+    assert len(list((ROOT / "scripts").glob("*.py"))) <= 10
+    assert {p.name for p in (ROOT / "scripts").iterdir() if p.is_dir()} <= {"bench", "examples", "tools", "configs"}
+    tests = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    for script in scripts():
+        text = script.read_text()
+        assert "sys.path" not in text, f"{script.relative_to(ROOT)} edits sys.path"
+        imported = set(re.findall(r"^\s*(?:from|import) (\w+)", text, flags=re.M))
+        assert not imported & tests, f"{script.relative_to(ROOT)} imports the tests' {sorted(imported & tests)}"
 
 
 def test_example_cp_under_accelerate_equals_one_process(runs):
@@ -182,7 +200,7 @@ def test_bench_reach_saved_counts_what_each_layer_keeps(runs):
 
 
 def test_bench_reach_time_alternates_the_arms_in_one_run(runs):
-    """bench_reach_time.py: each arm's step times from one run, its mean against the first arm's, the same loss (at 1024
+    """bench/reach_time.py: each arm's step times from one run, its mean against the first arm's, the same loss (at 1024
     tokens: 512 a rank, two tiles of hidden_size)."""
     r, _ = runs["reach_time"]
     assert r.returncode == 0, r.stderr[-3000:]

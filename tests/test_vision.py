@@ -5,6 +5,8 @@ import transformers
 import hfcp
 import workers_vision as W
 
+from hfcp.testing.tiny_vision import VISION_SHAPE
+
 TOL = 1e-5
 
 
@@ -55,7 +57,7 @@ def test_timesformer_is_refused_with_the_reason():
 
 
 def test_videomae_pretraining_is_refused():
-    cfg = transformers.VideoMAEConfig(**{**W.COMMON, "image_size": 16, "patch_size": 8, "num_frames": 4,
+    cfg = transformers.VideoMAEConfig(**{**VISION_SHAPE, "image_size": 16, "patch_size": 8, "num_frames": 4,
                                          "tubelet_size": 2})
     with pytest.raises(hfcp.UnsupportedModelError, match="VideoMAEForPreTraining"):
         hfcp.patch(transformers.VideoMAEForPreTraining(cfg))

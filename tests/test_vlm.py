@@ -63,7 +63,7 @@ def test_vlm_videos_of_frame_towers(pool2, model_type):
     the zigzag cut (the tiny models of the VLM sweep)."""
     import functools
 
-    import sweep_vlms
+    from hfcp.testing.sweeps import vlms as sweep_vlms
     from hfcp.testing.tiny_vlm import tiny_vlm, video_batch
 
     for r in pool2.run(sweep_vlms._compare, functools.partial(tiny_vlm, model_type), video_batch):

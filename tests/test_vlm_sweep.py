@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-import sweep_vlms as S
+from hfcp.testing.sweeps import vlms as S
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "tools"))
 import support_matrix  # noqa: E402
 
 
@@ -35,9 +35,10 @@ def test_generated_vlm_matrix_is_current(sweep):
     from hfcp.patches import verified_vlm
 
     assert transformers.__version__ == verified_vlm.TRANSFORMERS_VERSION, \
-        "the VLM matrix was made with another transformers: run python scripts/support_matrix.py"
+        "the VLM matrix was made with another transformers: run python scripts/tools/support_matrix.py"
     types, text = support_matrix.verified_vlms(sweep)
     assert (list(verified_vlm.VERIFIED), list(verified_vlm.TEXT_TYPES)) == (types, text), \
-        "patches/verified_vlm.py is stale: run python scripts/support_matrix.py"
+        "patches/verified_vlm.py is stale: run python scripts/tools/support_matrix.py"
     page = support_matrix.MATRIX_PAGE.read_text()
-    assert support_matrix.render_vlm_table(sweep) in page, "docs' VLM matrix is stale: run scripts/support_matrix.py"
+    assert support_matrix.render_vlm_table(sweep) in page, \
+        "docs' VLM matrix is stale: run scripts/tools/support_matrix.py"

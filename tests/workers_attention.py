@@ -93,10 +93,10 @@ def dense_attention(q, k, v, allowed, scale, sink=None, softcap=None):
 
 
 def run_case(case: dict):
-    from hfcp.attention import blocks
+    from hfcp.attention import tiles as tiling
 
-    blocks.MAX_TILE = case.get("max_tile", 1024)
-    blocks.KERNEL_TILE = case.get("kernel_tile", 2048)
+    tiling.MAX_TILE = case.get("max_tile", 1024)
+    tiling.KERNEL_TILE = case.get("kernel_tile", 2048)
     mesh = mesh_for(case["cp"])
     q, k, v, dout, position_ids, attention_mask = make_case(case)
     dtype = case.get("dtype", torch.float32)

@@ -26,7 +26,7 @@ def family_exact(model_type: str, strategy: str, documents: list[list[int]], bal
     gradient (averaged over the group), and whether the balanced layout ran."""
     import torch.distributed as dist
 
-    from hfcp.commands.verify import grad_error
+    from hfcp.testing.compare import grad_error
     from hfcp.testing.tiny import tiny_model as hfcp_tiny
 
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in documents])
@@ -121,7 +121,7 @@ def sequence_outputs_exact(documents: list[list[int]]) -> dict:
     and whether each forward ran the balanced layout."""
     import torch.distributed as dist
 
-    from hfcp.commands.verify import grad_error
+    from hfcp.testing.compare import grad_error
     from hfcp.testing.tiny import tiny_model as hfcp_tiny
 
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in documents])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import hfcp
-from hfcp.commands.verify import grad_error
+from hfcp.testing.compare import grad_error
 from workers_model import averaged_grads, make_batch, tiny_model
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import hfcp
-from hfcp.commands.verify import grad_error
+from hfcp.testing.compare import grad_error
 from workers_model import make_batch, tiny_model
 
 BOUND_S = 20  # every patched model here bounds its collectives: a regression shows as CollectiveError, not a hang

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import hfcp
-from hfcp.commands.verify import grad_error
+from hfcp.testing.compare import grad_error
 from workers_model import averaged_grads, tiny_model
 
 

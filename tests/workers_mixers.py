@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import hfcp
-from hfcp.commands.verify import grad_error
+from hfcp.testing.compare import grad_error
 from workers_model import averaged_grads
 
 _TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -136,7 +136,7 @@ def compare(kind: str, case: str, strategy: str = "ring", checkpointing: str = "
 def kernel_noise(kind: str, data: dict, ref_grads: dict) -> float:
     """The fp32 noise of the family's own recurrent kernel on one device (sweep_families.delta_rule_noise); 0 for
     families without the rule."""
-    from sweep_families import delta_rule_noise
+    from hfcp.testing.sweeps.families import delta_rule_noise
 
     if kind not in GATED_DELTA + KDA + MAMBA2:
         return 0.0

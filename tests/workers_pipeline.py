@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hfcp
-from hfcp.commands.verify import grad_error
+from hfcp.testing.compare import grad_error
 
 ROWS, LENGTH = 4, 32
 CLIP = 1e-3  # a max norm below every gradient norm here: clip_grad_norm_ scales every step's gradients

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import hfcp
 from hfcp.testing.tiny import tiny_model
-from hfcp.commands.verify import grad_error
+from hfcp.testing.compare import grad_error
 
 
 def _grads(model):

@@ -8,7 +8,7 @@ import math
 import torch
 
 import hfcp
-from hfcp.commands.verify import grad_error
+from hfcp.testing.compare import grad_error
 from hfcp.state import find_pretrained
 from hfcp.memory.tiled_mlp import mlps_to_tile
 from workers_model import CONFIGS, averaged_grads, make_batch, tiny_model

@@ -101,7 +101,7 @@ def random_draws(n: int, seed: int):
 
 
 def vision_attention_mask_refused():
-    from workers_vision import build, pixels
+    from hfcp.testing.tiny_vision import pixel_values as pixels, tiny_vision as build
 
     model = hfcp.patch(build("vit", "cls"))
     try:

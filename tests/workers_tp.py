@@ -9,7 +9,7 @@ import torch.distributed as dist
 import hfcp
 from workers_model import make_batch, tiny_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "tools"))
 import check_tp_cp  # noqa: E402
 
 
@@ -26,8 +26,8 @@ def _errors(model, ref, loss: float, ref_loss: float) -> dict:
 
 
 def tp_x_cp_step(path: str, strategy: str, how: str, average: bool = False):
-    """tp 2 x cp 2 on 4 ranks (scripts/check_tp_cp.py): transformers shards the model over TP groups {0,1} and {2,3}
-    (DistributedConfig, its dp_replicate dimension {0,2}, {1,3} is the CP one), hfcp runs CP across them. One
+    """tp 2 x cp 2 on 4 ranks (scripts/tools/check_tp_cp.py): transformers shards the model over TP groups {0,1} and
+    {2,3} (DistributedConfig, its dp_replicate dimension {0,2}, {1,3} is the CP one), hfcp runs CP across them. One
     batch for all four (one data-parallel group); FSDP's replica all-reduce averages the gradients over each CP
     group."""
     return check_tp_cp.tp_x_cp_step(path, strategy, how, average=average)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import hfcp
-from hfcp.commands.verify import grad_error
+from hfcp.testing.compare import grad_error
 from workers_model import averaged_grads
 
 SMALL = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, state_size=8, pad_token_id=0, bos_token_id=1,

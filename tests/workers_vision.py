@@ -3,40 +3,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import transformers
 
 import hfcp
-
-COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
-
-
-def build(family: str, head: str, **over):
-    if family == "vit":
-        cfg = transformers.ViTConfig(**{**COMMON, "image_size": 32, "patch_size": 8, **over})
-        cls = transformers.ViTForImageClassification if head == "cls" else transformers.ViTModel
-    elif family == "videomae":
-        cfg = transformers.VideoMAEConfig(**{**COMMON, "image_size": 16, "patch_size": 8, "num_frames": 6,
-                                             "tubelet_size": 2, **over})
-        cls = transformers.VideoMAEForVideoClassification if head == "cls" else transformers.VideoMAEModel
-    elif family == "dinov2":  # 16 patches + CLS = 17 tokens
-        cfg = transformers.Dinov2Config(**{**COMMON, "image_size": 32, "patch_size": 8, "mlp_ratio": 2, **over})
-        cls = transformers.Dinov2ForImageClassification if head == "cls" else transformers.Dinov2Model
-    else:
-        cfg = transformers.VivitConfig(**{**COMMON, "image_size": 16, "num_frames": 4, "tubelet_size": [2, 8, 8],
-                                          "hidden_dropout_prob": 0.0, **over})
-        cls = transformers.VivitForVideoClassification if head == "cls" else transformers.VivitModel
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return cls(cfg).float().train()
-
-
-def pixels(family: str, batch: int, size: int | None, frames: int | None):
-    g = torch.Generator().manual_seed(5)
-    if family in ("vit", "dinov2"):
-        return torch.randn(batch, 3, size or 32, size or 32, generator=g)
-    return torch.randn(batch, frames or (6 if family == "videomae" else 4), 3, 16, 16, generator=g)
-
+from hfcp.testing.tiny_vision import pixel_values, tiny_vision
 
 def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
@@ -44,7 +13,7 @@ def _rel(a, b):
 
 def run_case(case: dict):
     family, head, cp = case["family"], case["head"], case["cp"]
-    px = pixels(family, case.get("B", 2), case.get("size"), case.get("frames"))
+    px = pixel_values(family, case.get("B", 2), case.get("size"), case.get("frames"))
     kwargs = {"interpolate_pos_encoding": True} if case.get("interpolate") else {}
     labels = torch.tensor([0, 2, 1][: px.shape[0]])
     weights = None
@@ -59,7 +28,7 @@ def run_case(case: dict):
         extra = out.pooler_output.sum() if getattr(out, "pooler_output", None) is not None else 0
         return (full * weights).sum() + extra, full
 
-    ref = build(family, head, **case.get("config", {}))
+    ref = tiny_vision(family, head, **case.get("config", {}))
     model = ref
     ref_out = ref(px, labels=labels, **kwargs) if head == "cls" else ref(px, **kwargs)
     ref_loss = loss_of(ref_out)
@@ -69,7 +38,7 @@ def run_case(case: dict):
     ref_loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
 
-    model = build(family, head, **case.get("config", {}))
+    model = tiny_vision(family, head, **case.get("config", {}))
     hfcp.patch(model, cp_size=cp, strategy=case["strategy"])
     out = model(px, labels=labels, **kwargs) if head == "cls" else model(px, **kwargs)
     errs = {}
@@ -110,12 +79,12 @@ def run_case(case: dict):
 def checkpoint_recompute_after_later_forward(cp: int):
     """Gradient-checkpointed ViT: forward A (2 images), forward B (3 images), then backward A only. The layers
     of A are recomputed after B's forward; A's gradients must still be exact."""
-    px_a, px_b = pixels("vit", 2, None, None), pixels("vit", 3, None, None) * 0.5
+    px_a, px_b = pixel_values("vit", 2, None, None), pixel_values("vit", 3, None, None) * 0.5
     labels_a, labels_b = torch.tensor([0, 2]), torch.tensor([1, 0, 2])
-    ref = build("vit", "cls")
+    ref = tiny_vision("vit", "cls")
     ref.gradient_checkpointing_enable()
     ref(px_a, labels=labels_a).loss.backward()
-    model = build("vit", "cls")
+    model = tiny_vision("vit", "cls")
     model.gradient_checkpointing_enable()
     hfcp.patch(model, cp_size=cp, strategy="ring")
     loss_a = model(px_a, labels=labels_a).loss
@@ -136,11 +105,11 @@ def checkpoint_with_other_token_counts(cp: int):
     """Gradient checkpointing, two image sizes whose token counts pad to the same local length (17 and 18 tokens
     at cp=2 both give 9 per rank): a forward of the other size while the first graph is alive is refused; with
     backward in between, both are exact."""
-    model = build("vit", "cls")
+    model = tiny_vision("vit", "cls")
     model.gradient_checkpointing_enable()
     hfcp.patch(model, cp_size=cp, strategy="ring")
-    px_a = pixels("vit", 2, 32, None)  # 16 patches + CLS = 17 tokens
-    px_b = pixels("vit", 2, 40, None)[..., :40, :32]  # 5 x 4 = 20 patches + CLS = 21 tokens
+    px_a = pixel_values("vit", 2, 32, None)  # 16 patches + CLS = 17 tokens
+    px_b = pixel_values("vit", 2, 40, None)[..., :40, :32]  # 5 x 4 = 20 patches + CLS = 21 tokens
     labels = torch.tensor([0, 2])
     loss_a = model(px_a, labels=labels, interpolate_pos_encoding=True).loss
     try:

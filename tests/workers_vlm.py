@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import hfcp
-from hfcp.commands.verify import grad_error
+from hfcp.testing.compare import grad_error
 
 _TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,

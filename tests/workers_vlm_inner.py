@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import hfcp
-from hfcp.commands.verify import grad_error
+from hfcp.testing.compare import grad_error
 from workers_vlm import tiny_vlm, vlm_batch
 
 

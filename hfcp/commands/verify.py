@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.collectives import all_gather_no_grad
+from ..testing.compare import grad_error
 from .verify_arguments import VerifyError, one_line, check_arguments
 from .verify_inputs import load_model, make_batch
 
@@ -48,13 +49,6 @@ class Report:
 
 def _grads(model) -> dict:
     return {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def grad_error(got: dict, want: dict) -> float:
-    """Worst relative error over named gradients, each relative to its own max, with a floor at 1e-3 of the largest
-    (a gradient that is 0 in exact arithmetic holds float noise in both computations)."""
-    floor = max(1e-3 * max(float(g.abs().max()) for g in want.values()), 1e-12)
-    return max(float((got[n] - want[n]).abs().max()) / max(float(want[n].abs().max()), floor) for n in want)
 
 
 def _reference(model_name, batch, dtype, head=None):

@@ -148,7 +148,7 @@ def _warn_if_verified_elsewhere(patcher: Patcher) -> None:
 
     if patcher.verified_with is not None and transformers.__version__ != patcher.verified_with:
         log.warning("hfcp: model_type=%r was shown exact with transformers %s, this is %s; the runtime checks still "
-                    "refuse what hfcp does not implement, and scripts/support_matrix.py reruns the sweep",
+                    "refuse what hfcp does not implement, and scripts/tools/support_matrix.py reruns the sweep",
                     patcher.model_type, patcher.verified_with, transformers.__version__)
 
 

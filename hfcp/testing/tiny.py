@@ -1,4 +1,4 @@
-"""Tiny random causal LMs of any transformers model_type: what the family sweep (tests/sweep_families.py) and
+"""Tiny random causal LMs of any transformers model_type: what the family sweep (hfcp/testing/sweeps/families.py) and
 `hfcp verify --model MODEL_TYPE` run. The config keeps the family's features (one layer of each kind its
 layer_types lists, sliding windows where the family has one, attention chunks, MoE with the router aux loss, MLA
 head dims, small SSM dimensions, softcaps set low, logit scales) at a size that runs in milliseconds."""

@@ -1,5 +1,5 @@
 """Tiny random audio-language models of transformers' multimodal-LM types that take audio, and batches for them
-built by hand: what the audio sweep (tests/sweep_audio.py) runs. Text and audio configs are shrunk, placeholder
+built by hand: what the audio sweep (hfcp/testing/sweeps/audio.py) runs. Text and audio configs are shrunk, placeholder
 token ids put inside the tiny vocabulary, and the number of placeholder tokens of a clip is read from the features
 the model returns for it (its own encoder and projector), so nothing per family is written here."""
 from __future__ import annotations

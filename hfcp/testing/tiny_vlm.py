@@ -1,5 +1,5 @@
 """Tiny random vision-language models of any transformers image-text-to-text type, and batches for them built by
-hand: what the VLM sweep (tests/sweep_vlms.py) and `hfcp verify --model MODEL_TYPE` run. Text and vision configs
+hand: what the VLM sweep (hfcp/testing/sweeps/vlms.py) and `hfcp verify --model MODEL_TYPE` run. Text and vision configs
 are shrunk, placeholder token ids put inside the tiny vocabulary, and the number of placeholder tokens of an image
 is read from the features the model returns for it."""
 from __future__ import annotations

@@ -1,15 +1,15 @@
-"""The step time of bench_reach.py's hfcp arms, measured in one run: each arm's model built in the same pair of
+"""The step time of bench/reach.py's hfcp arms, measured in one run: each arm's model built in the same pair of
 processes and their steps alternated, so every arm sees the same machine state (a shared machine's load changes
 by tens of percent between runs; a ratio of two runs measures that).
 
-    python scripts/bench_reach_time.py --seq-len 8192 --rounds 4                  # hfcp against hfcp_tiled
-    python scripts/bench_reach_time.py --seq-len 8192 --arms hfcp hfcp_tiled hfcp_tiled_offload
+    python scripts/bench/reach_time.py --seq-len 8192 --rounds 4                  # hfcp against hfcp_tiled
+    python scripts/bench/reach_time.py --seq-len 8192 --arms hfcp hfcp_tiled hfcp_tiled_offload
 
-The model and step are bench_reach.py's (REACH_SHAPE, LoRA r8 on the attention, gradient checkpointing, cp 2 on 2
+The model and step are bench/reach.py's (REACH_SHAPE, LoRA r8 on the attention, gradient checkpointing, cp 2 on 2
 gloo processes, one thread each). Prints each step's wall time per arm, the arms' mean against the first arm's, and
 each arm's loss (equal: the same model and batch).
 
-The process keeps glibc's own allocation policy. bench_reach.py fixes the mmap threshold at 64 KiB so that its
+The process keeps glibc's own allocation policy. bench/reach.py fixes the mmap threshold at 64 KiB so that its
 peak RSS tracks live memory; that makes every tensor over 64 KiB its own mapping, mapped and zeroed at each
 allocation, a cost per allocation that a normal process (and CUDA's caching allocator) does not pay and that tiles,
 which allocate per tile, pay many times. --fixed-mmap measures under it all the same. DeepSpeed ALST is not an arm
@@ -23,13 +23,13 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_reach import hfcp_step  # noqa: E402
-from bench_step import REACH_SHAPE, fix_mmap_threshold, lora_llama  # noqa: E402
+from common import REACH_SHAPE, lora_llama
+from reach import hfcp_step
+
+from hfcp.testing.memory import fix_mmap_threshold
 
 ARMS = ("hfcp", "hfcp_tiled", "hfcp_tiled_offload")
 
@@ -75,7 +75,7 @@ def main(argv=None):
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=["hfcp", "hfcp_tiled"],
                     help="the first is the one the others' ratio is to")
     ap.add_argument("--rounds", type=int, default=4, help="timed steps per arm, alternated")
-    ap.add_argument("--fixed-mmap", action="store_true", help="bench_reach.py's allocation policy (see above)")
+    ap.add_argument("--fixed-mmap", action="store_true", help="bench/reach.py's allocation policy (see above)")
     args = ap.parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         return measure(args)
@@ -84,7 +84,7 @@ def main(argv=None):
     out = subprocess.run(cmd, capture_output=True, text=True)
     rows = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not rows:
-        raise SystemExit(f"bench_reach_time.py: the measurement failed\n{out.stderr[-3000:]}")
+        raise SystemExit(f"bench/reach_time.py: the measurement failed\n{out.stderr[-3000:]}")
     print("| arm | step times (s) | mean (s) | against " + args.arms[0] + " | loss |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['arm']} | {', '.join(f'{t:.2f}' for t in r['times_s'])} | {r['mean_s']:.2f} | "

@@ -1,9 +1,9 @@
 """Packed rows: step time of hfcp's balanced layout (balance="auto") against zigzag (balance="row"), in one run.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/bench_packed.py    # 16K tokens, 5 rounds
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/bench_packed.py --length 1024 --rounds 1
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/bench/packed.py    # 16K tokens, 5 rounds
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/bench/packed.py --length 1024 --rounds 1
 
-One LoRA training step (forward + backward) of the benchmark's Llama (scripts/bench_step.py) on one packed row per
+One LoRA training step (forward + backward) of the benchmark's Llama (scripts/bench/step.py) on one packed row per
 workload, seeded, with the document generators of tests/test_balance.py: "long-tail" (lognormal lengths, median 1.1K
 tokens) and "one-long" (a document of half the row, then short ones). Two copies of the same model are patched, one
 per balance setting, and the rounds interleave them (round: every workload, each setting), so a slow spell of the
@@ -17,18 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-import bench_step  # noqa: E402
-from test_balance import documents, long_tail, one_long  # noqa: E402
+import common
+
+from hfcp.testing.memory import fix_mmap_threshold
+from hfcp.testing.packed_rows import documents, long_tail, one_long
 
 WORKLOADS = {"long-tail": long_tail, "one-long": one_long}
 BALANCES = ("auto", "row")
@@ -37,7 +35,7 @@ BALANCES = ("auto", "row")
 def packed_row(workload: str, length: int, seed: int) -> dict:
     """One row of `length` tokens: random ids, position_ids restarting at each document, labels = ids."""
     positions = documents(WORKLOADS[workload](length, seed))[None]
-    vocab = bench_step.MODEL_SHAPE["vocab_size"]
+    vocab = common.MODEL_SHAPE["vocab_size"]
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "position_ids": positions, "labels": ids}
 
@@ -58,7 +56,7 @@ def measure(args) -> list[dict]:
     import hfcp
 
     cp = dist.get_world_size()
-    models = {b: hfcp.patch(bench_step.lora_llama(args.length, "cpu"), cp_size=cp, balance=b, check_inputs=False)
+    models = {b: hfcp.patch(common.lora_llama(args.length, "cpu"), cp_size=cp, balance=b, check_inputs=False)
               for b in BALANCES}
     batches = {w: packed_row(w, args.length, args.seed) for w in args.workloads}
     times = {(w, b): [] for w in batches for b in BALANCES}
@@ -108,7 +106,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="the document lengths' seed")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
-    bench_step.fix_mmap_threshold()
+    fix_mmap_threshold()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     own_group = not dist.is_initialized()  # a launcher's harness may have made it already
     if own_group:
@@ -122,7 +120,7 @@ def main():
             Path(args.out).write_text(json.dumps(rows, indent=1))
         bad = [r["workload"] for r in rows if abs(r["loss"]["auto"] - r["loss"]["row"]) > 1e-5 * abs(r["loss"]["row"])]
         if bad:
-            raise SystemExit(f"bench_packed.py: the losses of balance='auto' and 'row' differ on {bad}")
+            raise SystemExit(f"bench/packed.py: the losses of balance='auto' and 'row' differ on {bad}")
     if own_group:
         dist.destroy_process_group()
 

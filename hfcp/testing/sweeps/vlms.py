@@ -14,10 +14,10 @@ import sys
 import torch.distributed as dist
 
 from hfcp.testing.tiny_vlm import image_batch, text_batch, tiny_vlm
-from hfcp.commands.verify import grad_error
+from ..compare import grad_error
 
 # the family sweep's tolerances and helpers
-from sweep_families import GRAD_TOL, LOSS_TOL, _averaged, _grads, _grads_of_any_rank
+from .families import GRAD_TOL, LOSS_TOL, _averaged, _grads, _grads_of_any_rank
 
 
 def _compare(make, make_batch, strategy: str = "ring") -> dict:

@@ -1,6 +1,6 @@
 """Full fine-tune memory frontier: FSDP2 over all ranks x CP over the same ranks (hfcp), per-rank memory cap.
 
-    python scripts/bench.py --level full --mem-cap-mb 700 --widths 256 512 768 --cps 1 2 4
+    python scripts/bench/bench.py --level full --mem-cap-mb 700 --widths 256 512 768 --cps 1 2 4
 
 One measurement (this file under torchrun, or alone for world 1): a Llama of the given width built on the meta
 device, patched (cp = world), fully_shard over every rank, materialised shard by shard, then two AdamW steps
@@ -10,14 +10,29 @@ parameters, gradients, AdamW moments (falling as 1/world) and activations (falli
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
-from bench_step import PeakRSS, fix_mmap_threshold
-from full_finetune import shard, state_mb_per_rank  # the job's --full-finetune sharding, measured here
+from hfcp.testing.memory import PeakRSS, fix_mmap_threshold
+
+
+def _the_job():
+    """scripts/full_finetune.py, the job's --full-finetune mode, whose sharding (shard, state_mb_per_rank) this
+    benchmark measures: loaded from its file, the job's folder being above this one."""
+    path = Path(__file__).resolve().parents[1] / "full_finetune.py"
+    spec = importlib.util.spec_from_file_location("full_finetune", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_JOB = _the_job()
+shard, state_mb_per_rank = _JOB.shard, _JOB.state_mb_per_rank
 
 
 def tiny_llama_config(hidden: int, seq_len: int):
@@ -76,7 +91,7 @@ def measure(args):
         got = [None] * world
         dist.all_gather_object(got, result["peak_mem_mb"])
         result["peak_mem_mb"] = max(got)  # the worst rank
-        dist.barrier()  # (gloo can abort a rank that tears down while its peer still sends, as bench_step.py)
+        dist.barrier()  # (gloo can abort a rank that tears down while its peer still sends, as bench/step.py)
         dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(result), flush=True)

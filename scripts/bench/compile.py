@@ -1,10 +1,10 @@
 """torch.compile on a patched model: the LoRA step time (forward + backward) of the benchmark's Llama at cp 2, eager
 against compiled (inductor; accelerate's regional compilation and the whole model), measured in one run.
 
-    python scripts/bench_compile.py                      # L = 4096 and 8192, cp 2, ring
-    python scripts/bench_compile.py --lengths 2048 --repeats 3
+    python scripts/bench/compile.py                      # L = 4096 and 8192, cp 2, ring
+    python scripts/bench/compile.py --lengths 2048 --repeats 3
 
-Each measurement is its own torchrun of scripts/bench_step.py (one thread per process); the compiled runs take two
+Each measurement is its own torchrun of scripts/bench/step.py (one thread per process); the compiled runs take two
 untimed warm-up steps (the compile). Prints a table with each row's time over eager's and its loss (the same in
 every row of a length: compiling changes no result beyond float rounding).
 """

@@ -1,16 +1,16 @@
 """Benchmark suite: memory and time of hfcp against one process, per strategy and sequence length.
 
-    python scripts/bench.py                       # model level, L = 2k..16k, cp 1/2/4, all strategies
-    python scripts/bench.py --quick               # a smoke run (seconds)
-    python scripts/bench.py --level attention --lengths 8192 16384 --no-comm
-    python scripts/bench.py --arch qwen3_next --lengths 4096 8192 --strategies ring   # a gated delta net hybrid
-    python scripts/bench.py --level full --mem-cap-mb 700 --widths 256 512 768   # full fine-tune frontier
+    python scripts/bench/bench.py                       # model level, L = 2k..16k, cp 1/2/4, all strategies
+    python scripts/bench/bench.py --quick               # a smoke run (seconds)
+    python scripts/bench/bench.py --level attention --lengths 8192 16384 --no-comm
+    python scripts/bench/bench.py --arch qwen3_next --lengths 4096 8192 --strategies ring   # a gated delta net hybrid
+    python scripts/bench/bench.py --level full --mem-cap-mb 700 --widths 256 512 768   # full fine-tune frontier
 
 --level full: the longest sequence whose full fine-tune step (FSDP2 over all ranks x CP, AdamW) fits a per-rank
-memory cap, per model width and world size (scripts/bench_full.py).
+memory cap, per model width and world size (scripts/bench/full.py).
 
 cp = 1 is the unpatched model in one process with as many threads as the cp run has processes; cp > 1
-runs under torchrun with one thread per process. Each measurement is its own process (scripts/bench_step.py).
+runs under torchrun with one thread per process. Each measurement is its own process (scripts/bench/step.py).
 Writes runs/bench/bench.json, memory/time PNGs, and prints a table with ratios to cp = 1. Each result also
 records cpu_s, the step's process CPU time (largest rank): steadier than wall time on a shared machine, for
 A/B comparisons of the same configuration (it excludes time spent waiting on peers).
@@ -23,14 +23,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import full as bench_full
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import bench_full  # noqa: E402
 
 
 def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeout=1800, chunked_cp1=False,
             loss_chunk=1024, arch="llama", compile="none"):
-    cmd = [str(HERE / "bench_step.py"), "--level", level, "--arch", arch, "--seq-len", str(seq_len), "--cp", str(cp),
+    cmd = [str(HERE / "step.py"), "--level", level, "--arch", arch, "--seq-len", str(seq_len), "--cp", str(cp),
            "--strategy", strategy, "--threads", str(threads), "--repeats", str(repeats),
            "--loss-chunk", str(loss_chunk), "--compile", compile]
     if chunked_cp1:
@@ -59,9 +59,9 @@ def measure(level, seq_len, cp, strategy, threads, repeats, no_comm=False, timeo
 
 
 def measure_full(hidden: int, seq_len: int, world: int, timeout=1800) -> dict | None:
-    """One full fine-tune step measurement (scripts/bench_full.py); None when it failed twice (the output of the
+    """One full fine-tune step measurement (scripts/bench/full.py); None when it failed twice (the output of the
     last try is in runs/bench_failure.log)."""
-    cmd = [str(HERE / "bench_full.py"), "--hidden", str(hidden), "--seq-len", str(seq_len)]
+    cmd = [str(HERE / "full.py"), "--hidden", str(hidden), "--seq-len", str(seq_len)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), *cmd] \
         if world > 1 else [sys.executable, *cmd]
     for attempt in range(2):  # one retry: a torchrun start-up can fail when the machine is busy
@@ -223,7 +223,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     if args.level == "full":
         if not args.mem_cap_mb:
-            raise SystemExit("bench.py: --level full needs --mem-cap-mb (it searches the frontier under that cap)")
+            raise SystemExit("bench/bench.py: --level full needs --mem-cap-mb (it searches the frontier under that "
+                             "cap)")
         rows = bench_full.frontier(args, measure_full)
         (out / "full_finetune_frontier.json").write_text(json.dumps(rows, indent=1))
         print(bench_full.frontier_table(rows, args.mem_cap_mb))
@@ -237,7 +238,7 @@ def main():
     plot(results, out)
     errors = [r for r in results if "error" in r]
     if errors:
-        raise SystemExit(f"bench.py: {len(errors)} measurement(s) failed (see the table)")
+        raise SystemExit(f"bench/bench.py: {len(errors)} measurement(s) failed (see the table)")
 
 
 if __name__ == "__main__":

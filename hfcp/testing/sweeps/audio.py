@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hfcp.testing.tiny_audio import audio_batch, audio_types, text_batch, tiny_audio
 
-from sweep_vlms import _compare, check_multimodal
+from .vlms import _compare, check_multimodal
 
 
 def check(model_type: str) -> dict:
@@ -34,7 +34,7 @@ def sweep(types=None, progress: bool = False) -> list[dict]:
     return results
 
 
-if __name__ == "__main__":  # torchrun --nproc-per-node 2 tests/sweep_audio.py [types]
+if __name__ == "__main__":  # torchrun --nproc-per-node 2 hfcp/testing/sweeps/audio.py [types]
     dist.init_process_group("gloo")
     for r in sweep(sys.argv[1:] or None, progress=True):
         if dist.get_rank() == 0:
@@ -293,7 +293,7 @@ def batch_norm_split(model_type: str, mixed: bool = False) -> dict:
     from accelerate.hooks import ModelHook, add_hook_to_module
 
     import hfcp
-    from hfcp.commands.verify import grad_error
+    from hfcp.testing.compare import grad_error
 
     from hfcp.testing.tiny_audio import mixed_audio_batch
 

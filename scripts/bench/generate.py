@@ -1,7 +1,8 @@
 """Generation under CP (docs/performance.md#generation): prefill time and per-rank peak memory, decode speed and
-per-rank KV cache, at cp 1 / 2 / 4, each a fresh run of scripts/generate_long.py (a tiny random Llama unless --model).
+per-rank KV cache, at cp 1 / 2 / 4, each a fresh run of scripts/examples/generate_long.py (a tiny random Llama
+unless --model).
 
-    python scripts/bench_generate.py --lengths 16384 32768 --cps 1 2 4 --width 256 --layers 4
+    python scripts/bench/generate.py --lengths 16384 32768 --cps 1 2 4 --width 256 --layers 4
 
 On CPU the peak memory is each process's peak RSS (weights and the runtime included); timings here are noisy:
 compare the ratios of one run.
@@ -15,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().with_name("generate_long.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "generate_long.py"
 
 
 def run(cp: int, length: int, args) -> dict:
@@ -29,7 +30,7 @@ def run(cp: int, length: int, args) -> dict:
             cmd += ["--model", args.model]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            raise SystemExit(f"bench_generate.py: cp {cp}, {length} tokens failed:\n{r.stderr[-3000:]}")
+            raise SystemExit(f"bench/generate.py: cp {cp}, {length} tokens failed:\n{r.stderr[-3000:]}")
         return json.loads(out.read_text())
 
 

@@ -1,9 +1,9 @@
 """Peak memory per rank of one DPO step on a pair of long documents: stock trl.DPOTrainer in one process vs
 HfcpDPOTrainer at cp 2 (CPU).
 
-    python scripts/bench_dpo.py                          # L = 8192 and 16384 tokens per row
-    python scripts/bench_dpo.py --lengths 8192 --layers 2
-    python scripts/bench_dpo.py --quick                  # L = 2048
+    python scripts/bench/dpo.py                          # L = 8192 and 16384 tokens per row
+    python scripts/bench/dpo.py --lengths 8192 --layers 2
+    python scripts/bench/dpo.py --quick                  # L = 2048
 
 The model is Llama-shaped and small (4 layers by default, hidden 256) with a real-size vocabulary (32,000 tokens by
 default), so the output head weighs as it does in practice; fp32, full fine-tuning, TRL's default gradient
@@ -62,8 +62,7 @@ def worker(args) -> None:
     from trl import DPOConfig, DPOTrainer
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    sys.path.insert(0, str(HERE))
-    from bench_step import PeakRSS, fix_mmap_threshold
+    from hfcp.testing.memory import PeakRSS, fix_mmap_threshold
 
     fix_mmap_threshold()
     torch.set_num_threads(args.threads)

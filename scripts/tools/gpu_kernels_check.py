@@ -1,7 +1,7 @@
 """hfcp's tile kernels on one GPU: against torch's SDPA (flash backend), and each emulated rank's tiles of a packed row.
 
-    python scripts/gpu_kernels_check.py --json runs/gpu_kernels.json     # on a GPU (part of scripts/gpu_check.sh)
-    python scripts/gpu_kernels_check.py --cpu-smoke                       # tiny shapes, CPU kernels (the test suite)
+    python scripts/tools/gpu_kernels_check.py --json runs/gpu_kernels.json  # on a GPU (part of scripts/gpu_check.sh)
+    python scripts/tools/gpu_kernels_check.py --cpu-smoke                    # tiny shapes, CPU kernels (the tests)
 
 1. Causal attention over the whole row (8K / 16K / 32K tokens, bf16, 16 heads, 4 KV heads, head dim 128), forward
    + backward: hfcp's planner and tile kernels (hfcp.attention.tiles, the kernel that `choose_kernel` picks, named
@@ -29,20 +29,18 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-from test_balance import documents, long_tail, one_long  # noqa: E402
+from hfcp.testing.packed_rows import documents, long_tail, one_long
 
-from hfcp.attention import blocks, kernels  # noqa: E402
-from hfcp.layout.balance import step_layout  # noqa: E402
-from hfcp.layout import Layout, StepBatch, build_step_batch  # noqa: E402
-from hfcp.layout.work import imbalance, position_work, rank_work  # noqa: E402
+from hfcp.attention import kernels
+from hfcp.attention import tiles as tiling
+from hfcp.layout.balance import step_layout
+from hfcp.layout import Layout, StepBatch, build_step_batch
+from hfcp.layout.work import imbalance, position_work, rank_work
 
 FULL = dict(lengths=(8192, 16384, 32768), rows=(16384, 32768), heads=16, kv_heads=4, head_dim=128, repeats=3)
 SMOKE = dict(lengths=(128, 256), rows=(512,), heads=4, kv_heads=2, head_dim=16, repeats=1)
 WORKLOADS = {"long-tail": lambda n: long_tail(n, 0, median=min(1100, n // 16)), "one-long": lambda n: one_long(n, 0)}
-SPEC = blocks.MaskSpec(causal=True, window=None)
+SPEC = tiling.MaskSpec(causal=True, window=None)
 
 
 @contextlib.contextmanager
@@ -84,14 +82,14 @@ def qkv(length: int, cfg: dict, device, dtype, seed: int):
 
 def hfcp_attention(q, k, v, do, tiles_of, scale: float):
     """Forward then backward of q against each (k, v, tiles) of tiles_of: (out, dq, dk list, dv list)."""
-    out, lse = blocks.new_accumulators(q)
+    out, lse = tiling.new_accumulators(q)
     for k_i, v_i, tiles in tiles_of:
-        blocks.forward_tiles(q, k_i, v_i, tiles, scale, out, lse)
+        tiling.forward_tiles(q, k_i, v_i, tiles, scale, out, lse)
     out = out.to(q.dtype)
     dq, grads = torch.zeros_like(q, dtype=torch.float32), []
     for k_i, v_i, tiles in tiles_of:
         dk, dv = torch.zeros_like(k_i, dtype=torch.float32), torch.zeros_like(v_i, dtype=torch.float32)
-        blocks.backward_tiles(do, q, k_i, v_i, out, lse, tiles, scale, dq, dk, dv)
+        tiling.backward_tiles(do, q, k_i, v_i, out, lse, tiles, scale, dq, dk, dv)
         grads.append((dk, dv))
     return out, dq, grads
 
@@ -117,7 +115,7 @@ def whole_row(length: int, cfg: dict, device, dtype) -> dict:
     q, k, v, do = qkv(length, cfg, device, dtype, seed=length)
     scale = cfg["head_dim"] ** -0.5
     sb = build_step_batch(Layout(length, 1, zigzag=False), 0, 1, None, None, "cpu")
-    tiles = blocks.plan_tiles(SPEC, sb, [(0, length)], [(0, length)], dtype, device)
+    tiles = tiling.plan_tiles(SPEC, sb, [(0, length)], [(0, length)], dtype, device)
     out, dq, [(dk, dv)] = hfcp_attention(q, k, v, do, [(k, v, tiles)], scale)
     ref = sdpa_attention(q, k, v, do, scale, device)
     errors = {n: rel_err(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref)}
@@ -140,7 +138,7 @@ def emulated_ranks(workload: str, length: int, cp: int, cfg: dict, device, dtype
         times, tile_counts = [], []
         for r in range(cp):
             q, k, v, do = qkv(layout.local_len, cfg, device, dtype, seed=r)
-            tiles_of = [(k, v, blocks.plan_tiles(SPEC, sb, layout.ranges(r), layout.ranges(o), dtype, device))
+            tiles_of = [(k, v, tiling.plan_tiles(SPEC, sb, layout.ranges(r), layout.ranges(o), dtype, device))
                         for o in range(cp)]  # the same K/V tensors stand for every owner's: only shapes matter
             tile_counts.append(sum(len(t) for _, _, t in tiles_of))
             times.append(timed(lambda: hfcp_attention(q, k, v, do, tiles_of, cfg["head_dim"] ** -0.5), device,
@@ -172,7 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     if not args.cpu_smoke and not torch.cuda.is_available():
-        sys.exit("gpu_kernels_check.py: no CUDA GPU here; run it on a GPU machine, or pass --cpu-smoke")
+        sys.exit("tools/gpu_kernels_check.py: no CUDA GPU here; run it on a GPU machine, or pass --cpu-smoke")
     cfg, device = (SMOKE, torch.device("cpu")) if args.cpu_smoke else (FULL, torch.device("cuda:0"))
     dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
     failures, whole, ranks = [], [], []

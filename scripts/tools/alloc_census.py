@@ -1,4 +1,4 @@
-"""What is alive at a step's memory peak: bench_reach.py --census.
+"""What is alive at a step's memory peak: bench/reach.py --census.
 
 The step runs under torch's profiler with memory events. Its allocation events, in time order, carry the total
 allocated after each; the census takes the event with the highest total, pairs the allocations and frees before it by

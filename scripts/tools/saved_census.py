@@ -1,4 +1,4 @@
-"""What each decoder layer's forward keeps for backward: bench_reach.py --saved.
+"""What each decoder layer's forward keeps for backward: bench/reach.py --saved.
 
 The census runs one training forward without gradient checkpointing under saved-tensor hooks. Each saved tensor is
 held through a small holder that the graph owns, so a tensor whose graph was dropped before the forward ended (a

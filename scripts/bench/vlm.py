@@ -2,10 +2,10 @@
 reported separately, with the encoder's work split over the CP group (hfcp's default) and with every rank encoding
 every image or clip (as peers do), against one process.
 
-    python scripts/bench_vlm.py                          # cp 1, 2, 4; 48 images of 64 x 64 (3072 image tokens)
-    python scripts/bench_vlm.py --images 96 --cps 1 2
-    python scripts/bench_vlm.py --video 512              # a LoRA step on a video of 512 frames of 32 x 32 (4096 tokens)
-    python scripts/bench_vlm.py --audio 48               # a LoRA step on 48 audio clips (3072 audio tokens)
+    python scripts/bench/vlm.py                          # cp 1, 2, 4; 48 images of 64 x 64 (3072 image tokens)
+    python scripts/bench/vlm.py --images 96 --cps 1 2
+    python scripts/bench/vlm.py --video 512              # a LoRA step on a video of 512 frames of 32 x 32 (4096 tokens)
+    python scripts/bench/vlm.py --audio 48               # a LoRA step on 48 audio clips (3072 audio tokens)
 
 Images: a tiny-width LLaVA (SigLIP tower, Llama text model, random weights), forward + backward of every parameter,
 so that the vision tower is a large part of the step. --video: a Qwen2-VL of the same widths (its tower takes two
@@ -142,8 +142,7 @@ def measure(args) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(HERE))
-    from bench_step import fix_mmap_threshold
+    from hfcp.testing.memory import fix_mmap_threshold
 
     fix_mmap_threshold()
     torch.set_num_threads(1)
@@ -159,7 +158,7 @@ def measure_one(args, split: bool) -> dict | None:
     """The step's figures with the tower split over the ranks or not (the worst rank's; None on ranks other than 0)."""
     import torch
     import torch.distributed as dist
-    from bench_step import PeakRSS
+    from hfcp.testing.memory import PeakRSS
 
     import hfcp
     from hfcp.families.registry import REGISTRY
@@ -210,7 +209,7 @@ class VisionPart:
     tower split, the gather of its outputs over the CP group is part of it)."""
 
     def __init__(self, module):
-        from bench_step import PeakRSS
+        from hfcp.testing.memory import PeakRSS
         import torch
 
         self.time_s, self.mem_mb, self._mem, self._t = 0.0, 0.0, None, 0.0
@@ -230,7 +229,7 @@ class VisionPart:
 
 def run(args, cp: int, split: bool | None) -> list[dict]:
     """The results of one launch: of the split tower or the whole one, or (split None) of both, split first."""
-    own = [str(HERE / "bench_vlm.py"), "--one", "--cp", str(cp), "--images", str(args.images), "--width",
+    own = [str(HERE / "vlm.py"), "--one", "--cp", str(cp), "--images", str(args.images), "--width",
            str(args.width), "--layers", str(args.layers), "--repeats", str(args.repeats), "--video", str(args.video),
            "--audio", str(args.audio)] + (
         ["--split"] if split else []) + (["--both"] if split is None else [])
@@ -262,7 +261,7 @@ def main():
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.video % 2 or args.video < 0:
-        raise SystemExit(f"bench_vlm.py: --video {args.video}: give an even number of frames (two per temporal patch)")
+        raise SystemExit(f"bench/vlm.py: --video {args.video}: give an even number of frames (two per temporal patch)")
     if args.one:
         return measure(args)
     rows = []

@@ -1,8 +1,8 @@
 """The longest sequence per rank: peak memory of one LoRA step per rank against the sequence length, for hfcp with and
 without its memory options and for DeepSpeed ALST built from DeepSpeed's own pieces, in the same run.
 
-    python scripts/bench_reach.py --lengths 2048 4096 8192 16384          # the driver: every arm, fitted
-    torchrun --standalone --nproc-per-node 2 scripts/bench_reach.py --arm hfcp --seq-len 8192   # one measurement
+    python scripts/bench/reach.py --lengths 2048 4096 8192 16384          # the driver: every arm, fitted
+    torchrun --standalone --nproc-per-node 2 scripts/bench/reach.py --arm hfcp --seq-len 8192   # one measurement
 
 The model: the benchmark's Llama with Llama-3-8B's ratios scaled down (bench_step.REACH_SHAPE: hidden 256,
 intermediate 896, 8 heads / 2 KV heads, 8 layers, vocabulary 4096), LoRA r8 on the attention projections, gradient
@@ -22,21 +22,21 @@ on the attention), for the hfcp arms (DeepSpeed's TiledMLP is for dense MLPs).
 Each measurement prints the worst rank's peak RSS growth over a step and the loss (the sum over the ranks for
 alst); the driver fits peak = a + b x S per arm (b: bytes per token per rank) and gives the longest S under --cap.
 
-    torchrun --standalone --nproc-per-node 2 scripts/bench_reach.py --arm hfcp_tiled --seq-len 8192 --phases
+    torchrun --standalone --nproc-per-node 2 scripts/bench/reach.py --arm hfcp_tiled --seq-len 8192 --phases
 
 --phases: where in the step rank 0's memory peaks: its RSS above the step's start read after every aten operator,
 the highest per part of the step (the forward of each decoder layer's blocks, the loss after the last layer, the
 backward through each layer's recompute), one line each.
 
-    torchrun --standalone --nproc-per-node 2 scripts/bench_reach.py --arm hfcp_tiled --seq-len 4096 --saved
+    torchrun --standalone --nproc-per-node 2 scripts/bench/reach.py --arm hfcp_tiled --seq-len 4096 --saved
 
 --saved: what each decoder layer's forward keeps for backward with checkpointing off, in hidden vectors per local
-token (scripts/saved_census.py).
+token (scripts/tools/saved_census.py).
 
-    torchrun --standalone --nproc-per-node 2 scripts/bench_reach.py --arm hfcp_tiled --seq-len 32768 --census
+    torchrun --standalone --nproc-per-node 2 scripts/bench/reach.py --arm hfcp_tiled --seq-len 32768 --census
 
 --census: what is alive at rank 0's peak of a step (any arm), grouped by the operator that allocated it, in hidden
-vectors per local token (scripts/alloc_census.py); with --phases, after the phases.
+vectors per local token (scripts/tools/alloc_census.py); with --phases, after the phases.
 """
 from __future__ import annotations
 
@@ -46,12 +46,12 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import REACH_SHAPE, PeakRSS, fix_mmap_threshold, lora_llama  # noqa: E402
+from common import REACH_SHAPE, lora_llama
+
+from hfcp.testing.memory import PeakRSS, fix_mmap_threshold
 from alloc_census import peak_census  # noqa: E402
 from saved_census import SavedCensus  # noqa: E402
 
@@ -269,13 +269,13 @@ def main(argv=None):
                     help="with --arm hfcp*: what each decoder layer's forward keeps for backward, no checkpointing")
     args = ap.parse_args(argv)
     if args.model == "moe" and ("alst" in ([args.arm] if args.arm else args.arms)):
-        raise SystemExit("bench_reach.py: --model moe runs the hfcp arms only (DeepSpeed's TiledMLP is for dense "
+        raise SystemExit("bench/reach.py: --model moe runs the hfcp arms only (DeepSpeed's TiledMLP is for dense "
                          "MLPs): pass --arms hfcp hfcp_tiled")
     if (args.phases or args.saved) and not (args.arm or "").startswith("hfcp"):
-        raise SystemExit("bench_reach.py: --phases and --saved need --arm hfcp, hfcp_tiled or hfcp_tiled_offload "
+        raise SystemExit("bench/reach.py: --phases and --saved need --arm hfcp, hfcp_tiled or hfcp_tiled_offload "
                          f"(got --arm {args.arm})")
     if args.census and not args.arm:
-        raise SystemExit("bench_reach.py: --census measures one arm: pass --arm and --seq-len (under torchrun)")
+        raise SystemExit("bench/reach.py: --census measures one arm: pass --arm and --seq-len (under torchrun)")
     measure(args) if args.arm else drive(args)
 
 

@@ -1,8 +1,8 @@
 """Small end-to-end example: a tiny Llama, one long sequence, loss and gradients under CP equal to one device.
 (The training forward uses hfcp's chunked loss, so out.logits is None: hfcp never builds the whole logits.)
 
-    accelerate launch --multi_gpu --num_processes 2 scripts/example_cp.py --seq-len 2048
-    python scripts/example_cp.py            # one process: runs unchanged
+    accelerate launch --multi_gpu --num_processes 2 scripts/examples/example_cp.py --seq-len 2048
+    python scripts/examples/example_cp.py            # one process: runs unchanged
 """
 import argparse
 import time

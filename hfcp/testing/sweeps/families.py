@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hfcp.testing.tiny import tiny_model as build
-from hfcp.commands.verify import grad_error
+from hfcp.testing.compare import grad_error
 
 L, B = 24, 2
 
@@ -371,7 +371,7 @@ def model_check_refusals() -> tuple[int, dict]:
     from hfcp.families.resolve import patcher_for
     from hfcp.families.registry import REGISTRY
     from hfcp.testing.tiny_vlm import tiny_vlm
-    from workers_vision import build as build_vision
+    from hfcp.testing.tiny_vision import tiny_vision as build_vision
 
     checked, refused = 0, {}
     for t in sorted(REGISTRY._patchers):

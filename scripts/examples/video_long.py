@@ -2,14 +2,12 @@
 memory of the patched step against the unpatched one (same process, same input).
 
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
-        --dynamo_backend no scripts/video_long.py --frames 128
+        --dynamo_backend no scripts/examples/video_long.py --frames 128
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import transformers
@@ -17,8 +15,7 @@ from accelerate import Accelerator
 
 import hfcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import PeakRSS  # noqa: E402
+from hfcp.testing.memory import PeakRSS
 
 
 def main():

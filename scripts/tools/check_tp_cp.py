@@ -1,6 +1,6 @@
 """Tensor parallelism x CP against one process: tp 2 x cp 2 on 4 processes (NCCL on GPUs, gloo on CPU).
 
-    torchrun --standalone --nproc-per-node 4 scripts/check_tp_cp.py [--strategy ring] [--how device_mesh]
+    torchrun --standalone --nproc-per-node 4 scripts/tools/check_tp_cp.py [--strategy ring] [--how device_mesh]
 
 A tiny Llama (8 heads, 4 KV heads) is saved once and loaded by transformers tensor-parallel over {0,1} and {2,3}
 (DistributedConfig(tp_size=2, dp_replicate_size=2): its replica dimension {0,2}, {1,3} is the CP one); hfcp runs
@@ -90,7 +90,7 @@ def main() -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     if dist.get_world_size() != 4:
-        raise SystemExit(f"check_tp_cp.py runs on 4 processes (tp 2 x cp 2), not {dist.get_world_size()}")
+        raise SystemExit(f"tools/check_tp_cp.py runs on 4 processes (tp 2 x cp 2), not {dist.get_world_size()}")
     path = os.path.join(tempfile.gettempdir(), f"hfcp-tp-cp-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
     if dist.get_rank() == 0:
         tiny_llama().save_pretrained(path)

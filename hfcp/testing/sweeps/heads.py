@@ -1,16 +1,11 @@
 """The classification heads' sweep: every supported model_type whose sequence or token classifier is transformers'
 generic one, built tiny (hfcp.testing.tiny's config, with labels and a pad id), patched at cp 2 and compared with one
 process on a right-padded batch: the relative loss error and the worst relative gradient error (averaged over the
-group, as DDP does). Slow (a minute or more); not collected by pytest. Run it from the repository root:
+group, as DDP does). Slow (a minute or more); not run by the tests:
 
-    PYTHONPATH=. python tests/sweep_heads.py
+    python -m hfcp.testing.sweeps.heads
 """
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _build(cls, model_type: str):
@@ -93,7 +88,7 @@ def generic_types() -> list[tuple[str, str]]:
 
 
 if __name__ == "__main__":
-    from dist_pool import DistPool
+    from hfcp.testing.dist_pool import DistPool
 
     pool = DistPool(2)
     try:

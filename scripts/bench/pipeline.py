@@ -1,11 +1,11 @@
 """Memory per rank of one LoRA training step: pipeline stages x CP (hfcp.pipeline) against CP alone, the same model
 and the same tokens, on 4 processes.
 
-    torchrun --standalone --nproc-per-node 4 scripts/bench_pipeline.py --seq-len 8192 --rows 2
+    torchrun --standalone --nproc-per-node 4 scripts/bench/pipeline.py --seq-len 8192 --rows 2
 
 Arms (each in this launch, one after the other): cp 4 (hfcp.patch, every rank all layers, a quarter of each row),
 pp 2 x cp 2 with GPipe and with 1F1B (each rank half the layers, half of each row; one row per microbatch). The
-model is scripts/bench_step.py's Llama (hidden 256, 4 layers, vocabulary 4096, LoRA r8 on the attention
+model is scripts/bench/step.py's Llama (hidden 256, 4 layers, vocabulary 4096, LoRA r8 on the attention
 projections), made deeper with --layers. Reported per arm: the worst rank's peak memory growth during the step (RSS
 on CPU, allocated memory on CUDA), the parameter bytes each rank holds, and the loss (the same in every arm).
 """
@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import MODEL_SHAPE, PeakRSS, fix_mmap_threshold  # noqa: E402
+from common import MODEL_SHAPE
+
+from hfcp.testing.memory import PeakRSS, fix_mmap_threshold
 
 
 def lora_model(layers: int, seq_len: int, device):
@@ -79,7 +78,7 @@ def main():
         else torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if dist.get_world_size() != 4:
-        raise SystemExit("bench_pipeline.py: run it on 4 processes (torchrun --nproc-per-node 4)")
+        raise SystemExit("bench/pipeline.py: run it on 4 processes (torchrun --nproc-per-node 4)")
     for arm in ("cp4", "pp2 x cp2 GPipe", "pp2 x cp2 1F1B"):
         r = measure(arm, args, device)
         if dist.get_rank() == 0:

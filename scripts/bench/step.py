@@ -1,4 +1,4 @@
-"""One benchmark measurement, in its own process (launched by scripts/bench.py; torchrun when cp > 1).
+"""One benchmark measurement, in its own process (launched by scripts/bench/bench.py; torchrun when cp > 1).
 
 Model level: one LoRA training step (forward + backward) of a long-context Llama. Attention level:
 forward + backward of the CP attention alone (optionally with the ring's communication removed).
@@ -7,95 +7,15 @@ Prints one JSON line from rank 0.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import threading
 import time
 
 import torch
 
+from common import MODEL_SHAPE, REACH_SHAPE, lora_llama
 
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c"))
-    except OSError:
-        return None
-
-
-def fix_mmap_threshold() -> None:
-    """Call at start-up. glibc raises its mmap threshold after every large free, so after a warm-up step large
-    tensors come from the heap and RSS stops tracking live memory; a fixed 64 KiB threshold makes every
-    large tensor its own mapping, returned to the OS when freed."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-
-
-def trim_heap() -> None:
-    """Give the heap's free memory back to the OS, so the next step's RSS growth starts from live memory."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-class PeakRSS:
-    """Peak resident memory growth during a block (CPU), sampled every 1 ms; CUDA: max_memory_allocated."""
-
-    def __init__(self, device):
-        self.device = device
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self):
-        if self.device.type == "cpu":
-            gc.collect()
-            trim_heap()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-            return self
-        self.base = self.peak = self._rss()
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while self.running:
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.growth = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self.running = False
-            self.thread.join()
-            self.growth = max(self.peak, self._rss()) - self.base
-
-
-MODEL_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                   num_key_value_heads=2)
-REACH_SHAPE = dict(MODEL_SHAPE, intermediate_size=896, num_hidden_layers=8)  # Llama-3-8B's ratios, scaled down
-
-
-def lora_llama(seq_len: int, device, shape: dict = MODEL_SHAPE):
-    """The benchmark's Llama (MODEL_SHAPE, seeded) with LoRA adapters on its attention projections."""
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, max_position_embeddings=seq_len))
-    return get_peft_model(model.to(device), LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+from hfcp.testing.memory import PeakRSS, fix_mmap_threshold
 
 
 def model_step(args, device):

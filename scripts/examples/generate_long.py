@@ -1,9 +1,10 @@
 """Generate after a long prompt, the prompt and its KV cache spread over the processes (docs/how-to/generation.md).
 
-    accelerate launch --multi_gpu --num_processes 2 scripts/generate_long.py --model runs/smollm2 \
+    accelerate launch --multi_gpu --num_processes 2 scripts/examples/generate_long.py --model runs/smollm2 \
         --prompt-file doc.txt --max-new-tokens 64
-    torchrun --standalone --nproc-per-node 2 scripts/generate_long.py --prompt-tokens 8192   # a tiny random Llama
-    python scripts/generate_long.py                      # one process: the model runs unchanged
+    # a tiny random Llama:
+    torchrun --standalone --nproc-per-node 2 scripts/examples/generate_long.py --prompt-tokens 8192
+    python scripts/examples/generate_long.py                      # one process: the model runs unchanged
 
 The output is streamed to the terminal by the first process; at the end it prints the time to the first token
 (the prompt's prefill), the decode speed and each rank's KV-cache bytes. Every process must get the same prompt
@@ -70,7 +71,7 @@ def prompt_ids(args, tokenizer, vocab: int) -> torch.Tensor:
     if args.prompt_file:
         text = open(args.prompt_file, encoding="utf-8").read()
         if tokenizer is None:
-            raise SystemExit("generate_long.py: --prompt-file needs --model with a tokenizer")
+            raise SystemExit("examples/generate_long.py: --prompt-file needs --model with a tokenizer")
         return tokenizer(text, return_tensors="pt").input_ids
     g = torch.Generator().manual_seed(1)
     return torch.randint(3, vocab, (1, args.prompt_tokens), generator=g)

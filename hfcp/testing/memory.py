@@ -1,0 +1,78 @@
+"""Memory measured as hfcp's benchmarks and tests measure it: the peak resident memory growth of a block of work
+(CPU: sampled every millisecond, with glibc's mmap threshold fixed so that RSS tracks live tensors; CUDA: the
+allocator's peak), the worst rank's being the figure reported."""
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import torch
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+
+
+def fix_mmap_threshold() -> None:
+    """Call at start-up. glibc raises its mmap threshold after every large free, so after a warm-up step large
+    tensors come from the heap and RSS stops tracking live memory; a fixed 64 KiB threshold makes every
+    large tensor its own mapping, returned to the OS when freed."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+
+
+def trim_heap() -> None:
+    """Give the heap's free memory back to the OS, so the next step's RSS growth starts from live memory."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+class PeakRSS:
+    """Peak resident memory growth during a block (CPU), sampled every 1 ms; CUDA: max_memory_allocated."""
+
+    def __init__(self, device):
+        self.device = device
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        if self.device.type == "cpu":
+            gc.collect()
+            trim_heap()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        self.base = self.peak = self._rss()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.growth = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.running = False
+            self.thread.join()
+            self.growth = max(self.peak, self._rss()) - self.base
