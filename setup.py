@@ -1,7 +1,7 @@
 """Package discovery: every package under hfcp/, and the family records of patches/ installed as hfcp.patches.
 
 The metadata lives in pyproject.toml; only the package list is computed here, so that a new subpackage
-cannot be left out of the installed package (tests/test_packaging.py builds a wheel and checks it).
+cannot be left out of the installed package (tests/e2e/test_packaging.py builds a wheel and checks it).
 """
 from setuptools import find_packages, setup
 

@@ -4,7 +4,7 @@ vision tower are read from the model ("auto": the outermost modules whose config
 the language model's attention modules are read from it and checked like any read-from-model family, and masks the
 outer model builds are hfcp's predicate or refused at run time. The tower's images are split over the CP group
 (hfcp/hooks/tower_split.py: each image encoded on its own). Each type here is tested against the unpatched model
-(tests/test_vlm.py); patches/verified_vlm.py adds the types the VLM sweep showed exact."""
+(tests/hooks/test_vlm.py); patches/verified_vlm.py adds the types the VLM sweep showed exact."""
 from hfcp.families.registry import Patcher, register_patcher
 from hfcp.families.towers import register_per_image_tower
 
@@ -45,6 +45,6 @@ for _type in ("qwen2_vl_text", "qwen2_5_vl_text"):
 register_patcher(Patcher(model_type="qwen3_vl_text", attention_classes=(), read_from_model=True,
                          token_side_inputs=(("visual_pos_masks", "deepstack_visual_embeds"),)))
 # Qwen3-VL-MoE's language model: Qwen3-VL's deepstack side inputs, MoE MLPs (token-wise). Exact patched alone
-# (hfcp.patch(model.model.language_model)) with output_router_logits off (tests/test_vlm.py)
+# (hfcp.patch(model.model.language_model)) with output_router_logits off (tests/hooks/test_vlm.py)
 register_patcher(Patcher(model_type="qwen3_vl_moe_text", attention_classes=(), read_from_model=True,
                          token_side_inputs=(("visual_pos_masks", "deepstack_visual_embeds"),)))

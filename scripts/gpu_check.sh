@@ -17,7 +17,7 @@ step() {  # step SECONDS COMMAND...: run COMMAND under its own time limit; note 
     echo "gpu_check.sh: FAILED or ran past ${limit} s: $*" >&2
   fi
 }
-step 90 python -m pytest -q -m gpu tests/test_gpu.py
+step 90 python -m pytest -q -m gpu tests/attention/test_gpu.py
 # the tile kernels: hfcp against SDPA's flash backend at 8K-32K tokens, and each emulated rank's tiles of a packed row
 # at cp 2 / 4, balance='auto' against 'row' (every step of it has its own limit too)
 step 120 python scripts/tools/gpu_kernels_check.py --step-timeout 20 --json runs/gpu_kernels.json

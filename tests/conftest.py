@@ -9,24 +9,27 @@ import pytest
 # waiting for each other's threads (a third of the suite's CPU time was system time before this)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the tests' own helpers (launches.py; each folder's workers_*.py, which other folders' tests and the pool's workers
+# import by module name): every folder of tests/ on the path, whichever tests run
+TESTS = Path(__file__).resolve().parent
+FOLDERS = sorted(str(d) for d in TESTS.iterdir() if d.is_dir() and not d.name.startswith(("_", ".")))
+sys.path[:0] = [str(TESTS), *FOLDERS]
 
 from hfcp.testing.dist_pool import DistPool  # noqa: E402
 
-# what a quick loop (pytest -m "not sweep and not e2e") leaves out: the sweeps over every family transformers ships,
-# and the end-to-end runs of the job, the scripts and the hfcp command in processes of their own
-SWEEP_FIXTURES = {"sweep"}  # test_families.py, test_audio.py, test_vlm_sweep.py: one pool run over every type
-SWEEP_FILES = {"test_families.py", "test_vlm_sweep.py"}
-E2E_FILES = {"test_scripts.py", "test_finetune.py", "test_full_finetune.py", "test_bench.py", "test_pipeline_job.py",
-             "test_real_model.py", "test_verify.py", "test_packaging.py"}
+# what a quick loop (pytest -m "not sweep and not e2e") leaves out: the sweeps over every family transformers ships
+# (tests/sweeps/, and the tests that read a sweep through the `sweep` fixture), and the end-to-end runs of the job,
+# the scripts and the hfcp command in processes of their own (tests/e2e/, and tests/commands/test_verify.py, marked
+# in its file)
+SWEEP_FIXTURES = {"sweep"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        name = item.path.name
-        if name in SWEEP_FILES or SWEEP_FIXTURES & set(getattr(item, "fixturenames", ())):
+        folder = item.path.parent.name
+        if folder == "sweeps" or SWEEP_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.sweep)
-        if name in E2E_FILES:
+        if folder == "e2e":
             item.add_marker(pytest.mark.e2e)
 
 

@@ -48,14 +48,16 @@ def finish(run: tuple, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def script_error(script: str, argv: list, monkeypatch) -> str:
-    """The one-line error that scripts/`script`.py exits with on `argv`, run in this process: the message of its
+    """The one-line error that scripts/`script`.py ("finetune_lora", "bench/reach") exits with on `argv`, run in this
+    process (its folder first on sys.path, as `python scripts/...` runs it): the message of its
     SystemExit, which Python prints as a process's last line (exit status 1). For the checks a script makes before it
     builds anything, this is its command-line behaviour without a process start (seconds of imports each). Any other
     exception (a raw error from a library) escapes and fails the test, as its traceback would have shown."""
     import pytest
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    module = __import__(script)
+    path = ROOT / "scripts" / f"{script}.py"
+    monkeypatch.syspath_prepend(str(path.parent))
+    module = __import__(path.stem)
     with pytest.raises(SystemExit) as exit_info:
         module.main(argv)
     message = exit_info.value.code

@@ -36,7 +36,8 @@ from .completion_logps import completion_logps
 from .dp_view import data_parallel_view, gathers_kept_local
 from .trainer import UNSET, HfcpTrainerMixin
 
-# every loss type of TRL 1.16, each verified against GRPOTrainer in one process (tests/test_grpo_trainer.py)
+# every loss type of TRL 1.16, each verified against GRPOTrainer in one process
+# (tests/integrations/test_grpo_trainer.py)
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 _TRL_MODULE = GRPOTrainer.__module__  # where GRPOTrainer's gather / gather_object are looked up
 log = logging.getLogger("hfcp")

@@ -23,7 +23,7 @@ TINY = dict(
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
     # Kimi's KDA mixer: few, small heads (its default, 32 heads of 128, was 40% of the family sweep's time). The gated
     # delta rule's families (Qwen3-Next and its kin) keep their default heads: its fp32 rounding under CP depends on
-    # them, and tests/test_verify.py checks Qwen3-Next's at 64 tokens
+    # them, and tests/commands/test_verify.py checks Qwen3-Next's at 64 tokens
     linear_num_heads=4, linear_head_dim=8,
     # caps and logit scales made to bite
     attn_logit_softcapping=2.0, final_logit_softcapping=3.0, logits_scaling=2.0,

@@ -11,7 +11,7 @@ checkpointing, an explicit reference model that differs from the policy (so the 
 across the runs). The batch is one preference pair, chosen and rejected each `L` tokens (a prompt of L/4, a
 completion of 3L/4). The step is what DPOTrainer.training_step computes: the loss (the policy's forward over both
 rows, the reference's without gradient) and its backward; measured as the growth of resident memory over the models
-(scripts/bench_step.PeakRSS), the worst rank. One process runs twice: stock DPOTrainer (TRL's fused head, whose CPU
+(hfcp.testing.memory.PeakRSS), the worst rank. One process runs twice: stock DPOTrainer (TRL's fused head, whose CPU
 fallback scores 4096 tokens x the vocabulary at a time) and DPOTrainer with hfcp's fused head (1024 tokens at a
 time: what CP itself saves is the ratio to this one). cp 1 runs with as many threads as cp 2 has processes. Prints
 a markdown table and writes runs/bench/bench_dpo.json (--json). --side-by-side starts the three measurements of a

@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/bench/packed.py --length 1024 --rounds 1
 
 One LoRA training step (forward + backward) of the benchmark's Llama (scripts/bench/step.py) on one packed row per
-workload, seeded, with the document generators of tests/test_balance.py: "long-tail" (lognormal lengths, median 1.1K
+workload, seeded, with the document generators of hfcp.testing.packed_rows: "long-tail" (lognormal lengths, median 1.1K
 tokens) and "one-long" (a document of half the row, then short ones). Two copies of the same model are patched, one
 per balance setting, and the rounds interleave them (round: every workload, each setting), so a slow spell of the
 machine hits both alike. Per step the time kept is the slowest rank's; per configuration the median over rounds; the

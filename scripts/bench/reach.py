@@ -4,7 +4,7 @@ without its memory options and for DeepSpeed ALST built from DeepSpeed's own pie
     python scripts/bench/reach.py --lengths 2048 4096 8192 16384          # the driver: every arm, fitted
     torchrun --standalone --nproc-per-node 2 scripts/bench/reach.py --arm hfcp --seq-len 8192   # one measurement
 
-The model: the benchmark's Llama with Llama-3-8B's ratios scaled down (bench_step.REACH_SHAPE: hidden 256,
+The model: the benchmark's Llama with Llama-3-8B's ratios scaled down (common.REACH_SHAPE: hidden 256,
 intermediate 896, 8 heads / 2 KV heads, 8 layers, vocabulary 4096), LoRA r8 on the attention projections, gradient
 checkpointing on, cp 2 on 2 processes. Arms:
 
@@ -31,12 +31,12 @@ backward through each layer's recompute), one line each.
     torchrun --standalone --nproc-per-node 2 scripts/bench/reach.py --arm hfcp_tiled --seq-len 4096 --saved
 
 --saved: what each decoder layer's forward keeps for backward with checkpointing off, in hidden vectors per local
-token (scripts/tools/saved_census.py).
+token (scripts/bench/saved_census.py).
 
     torchrun --standalone --nproc-per-node 2 scripts/bench/reach.py --arm hfcp_tiled --seq-len 32768 --census
 
 --census: what is alive at rank 0's peak of a step (any arm), grouped by the operator that allocated it, in hidden
-vectors per local token (scripts/tools/alloc_census.py); with --phases, after the phases.
+vectors per local token (scripts/bench/alloc_census.py); with --phases, after the phases.
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ import torch
 from common import REACH_SHAPE, lora_llama
 
 from hfcp.testing.memory import PeakRSS, fix_mmap_threshold
-from alloc_census import peak_census  # noqa: E402
-from saved_census import SavedCensus  # noqa: E402
+from alloc_census import peak_census
+from saved_census import SavedCensus
 
 ARMS = ("hfcp", "hfcp_tiled", "hfcp_tiled_offload", "alst")
 
@@ -167,7 +167,9 @@ def measure(args) -> None:
 
     fix_mmap_threshold()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    own_group = not dist.is_initialized()  # (a launcher's harness running several scripts may have made it)
+    if own_group:
+        dist.init_process_group("gloo")
     model = lora_llama(args.seq_len, torch.device("cpu"), REACH_SHAPE) if args.model == "llama" else lora_moe(args)
     model.get_base_model().config._attn_implementation = "sdpa"
     # alst: transformers' checkpoint offload (save_on_cpu with pinned memory), on CUDA only: on CPU transformers 5.24
@@ -198,7 +200,8 @@ def measure(args) -> None:
                 for nbytes, n, op in rows:
                     print(f"CENSUS {nbytes / unit:6.2f} x{n:<4d} {op}", flush=True)
         dist.barrier()
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
         return
     if args.saved:
         census = SavedCensus(model.get_base_model().model.layers, list(model.parameters()))
@@ -210,7 +213,8 @@ def measure(args) -> None:
                 print(f"SAVED {where:20s} {nbytes / unit:5.2f} hidden vectors per local token", flush=True)
         out.loss.backward()
         dist.barrier()
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
         return
     peaks = []
     for _ in range(args.repeats):
@@ -224,7 +228,8 @@ def measure(args) -> None:
         print("RESULT " + json.dumps({"arm": args.arm, "seq_len": args.seq_len, "peak_mb": max(worst), "loss": loss}),
               flush=True)
     dist.barrier()  # (gloo can abort a rank that tears down while its peer still sends)
-    dist.destroy_process_group()
+    if own_group:
+        dist.destroy_process_group()
 
 
 def drive(args) -> None:

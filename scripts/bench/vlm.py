@@ -146,7 +146,7 @@ def measure(args) -> None:
 
     fix_mmap_threshold()
     torch.set_num_threads(1)
-    if args.cp > 1:
+    if args.cp > 1 and not dist.is_initialized():  # (a launcher's harness running several scripts may have made it)
         dist.init_process_group("gloo")
     for split in ([True, False] if args.both else [args.split]):
         result = measure_one(args, split)

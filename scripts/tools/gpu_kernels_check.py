@@ -7,7 +7,8 @@
    + backward: hfcp's planner and tile kernels (hfcp.attention.tiles, the kernel that `choose_kernel` picks, named
    in the table) against `torch.nn.functional.scaled_dot_product_attention` restricted to the flash backend on the
    same tensors: max |difference| of out, dq, dk, dv relative to the largest value, and the time ratio hfcp / SDPA.
-2. Emulated ranks: one packed row (tests/test_balance.py's long-tail and one-long workloads, 16K and 32K tokens) at
+2. Emulated ranks: one packed row (tests/layout/test_balance.py's long-tail and one-long workloads, 16K and 32K
+tokens) at
    cp 2 and 4, laid out by hfcp's planner (balance="auto") and by zigzag (balance="row"). Each rank's tiles against
    every rank's keys (what the ring runs) run one rank after another on the one GPU, forward + backward; per-rank
    kernel time max / mean beside the counted attention work max / mean (hfcp.layout.work).

@@ -1,8 +1,9 @@
 """Run the family sweeps (hfcp/testing/sweeps/families.py for causal LMs, hfcp/testing/sweeps/vlms.py for
 vision-language models, hfcp/testing/sweeps/audio.py for audio-language ones) on 2 CPU processes and regenerate from
 them patches/verified.py and patches/verified_vlm.py (the families hfcp supports by reading them from the model) and
-the three generated tables of docs/reference/support-matrix.md. tests/test_families.py, tests/test_vlm_sweep.py and
-tests/test_audio.py fail when any of them no longer matches a fresh sweep.
+the three generated tables of docs/reference/support-matrix.md. tests/sweeps/test_families.py,
+tests/sweeps/test_vlm_sweep.py and
+tests/families/test_audio.py fail when any of them no longer matches a fresh sweep.
 
     python scripts/tools/support_matrix.py          # ~2 min
 """

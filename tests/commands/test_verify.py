@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e  # (the hfcp command in processes of its own: out of the quick loop)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _verify(*args, report: bool = True):

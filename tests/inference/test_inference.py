@@ -117,7 +117,7 @@ def test_vlm_generation_with_bidirectional_blocks_is_refused(pool2, kind):
         assert "generate() with token_type_ids" in msg, msg
 
 
-# ---- models whose cache transformers handles in its own way (tests/workers_generate.py) --------------------------
+# ---- models whose cache transformers handles in its own way (tests/inference/workers_generate.py)
 import workers_generate as GEN  # noqa: E402
 
 

@@ -69,7 +69,7 @@ def generated(kind: str, length: int = 17, new: int = 6, pad: int = 0, is_decode
 
 
 def vlm_generated(kind: str, new: int = 6) -> dict:
-    """Greedy generate() of a patched VLM (tests/workers_vlm.py's, two rows with one image each, as
+    """Greedy generate() of a patched VLM (tests/hooks/workers_vlm.py's, two rows with one image each, as
     hfcp.testing.tiny_vlm.image_batch places them) against the unpatched model's."""
     import workers_vlm as V
     from hfcp.testing.tiny_vlm import image_batch

@@ -10,7 +10,8 @@ from workers_model import averaged_grads, tiny_model
 
 
 def _model(kind: str):
-    """A tiny model of tests/workers_model.py (llama, mistral: a window of 7, qwen2: a window of 6 on a layer) with
+    """A tiny model of tests/families/workers_model.py (llama, mistral: a window of 7, qwen2: a window of 6 on a
+    layer) with
     4096 positions, or hfcp.testing.tiny's of a type (gemma2: attention and final-logit softcapping, sliding and full
     layers; gpt_oss: attention sinks, sliding layers, MoE)."""
     if kind in ("gemma2", "gpt_oss", "mixtral"):  # mixtral: MoE with the router aux loss on (output_router_logits)

@@ -42,7 +42,8 @@ def test_decay_folds_are_exact_in_fp64(pool2, pool4, zigzag, fold):
             assert r["out_err"] < 1e-12 and r["grad_err"] < 1e-12, r
 
 
-# every recorded family is also in the family sweep (tests/test_families.py): cp 2, ring, allgather and ulysses, with
+# every recorded family is also in the family sweep (tests/sweeps/test_families.py): cp 2, ring, allgather and
+# ulysses, with
 # padding and mask holes, to the same bound; these cases add the test's own GQA shapes (2 key heads, 4 value heads)
 @pytest.mark.parametrize("kind, case, strategy", [("qwen3_next", "plain", "ring"),
                                                   ("qwen3_5_text", "padding", "ulysses"),

@@ -234,7 +234,7 @@ def test_gpu_kernels_check_cpu_smoke(tmp_path):
     out = tmp_path / "kernels.json"
     r = subprocess.run([sys.executable, "scripts/tools/gpu_kernels_check.py", "--cpu-smoke", "--json", str(out)],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       cwd=Path(__file__).resolve().parents[1])
+                       cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["failures"] == [] and [w["tokens"] for w in res["whole_row"]] == [128, 256]

@@ -11,6 +11,8 @@ import pytest
 from launches import LAUNCH, ROOT, in_one_process, run_together, scripts_results
 
 BENCH_VLM = [sys.executable, "scripts/bench/vlm.py", "--repeats", "1", "--width", "64", "--layers", "1"]
+VLM_AT_CP2 = ["scripts/bench/vlm.py", "--one", "--both", "--cp", "2", "--repeats", "1", "--width", "64",
+              "--layers", "1"]
 
 # the scripts run under one accelerate launch (2 processes), one after the other in its processes
 LAUNCHED = {
@@ -20,23 +22,22 @@ LAUNCHED = {
                                   "6", "--check", "--json", str(tmp / "summary.json")],
     "bench_packed": lambda tmp: ["scripts/bench/packed.py", "--length", "1024", "--workloads", "long-tail", "--rounds",
                                  "1", "--out", str(tmp / "packed.json")],
+    "reach_phases": lambda tmp: ["scripts/bench/reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--phases",
+                                 "--census"],
+    "reach_saved": lambda tmp: ["scripts/bench/reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--saved"],
+    # bench/vlm.py's measurement at cp 2 (what its --one-launch starts under torchrun): the split tower, then the whole
+    "vlm_video": lambda tmp: [*VLM_AT_CP2, "--video", "8", "--images", "48"],
+    "vlm_audio": lambda tmp: [*VLM_AT_CP2, "--audio", "3", "--images", "48"],
 }
 # each script run the tests below read (that launch one of them), started at the same time
 RUNS = {
     "example_one": lambda tmp: [sys.executable, "scripts/examples/example_cp.py", "--seq-len", "128", "--steps", "2"],
     "launched": lambda tmp: [*LAUNCH, *in_one_process({n: cmd(tmp) for n, cmd in LAUNCHED.items()}, tmp, "launched")],
     "vlm_images": lambda tmp: [*BENCH_VLM, "--images", "4", "--cps", "1"],
-    "vlm_video": lambda tmp: [*BENCH_VLM, "--video", "8", "--cps", "2", "--one-launch"],
-    "vlm_audio": lambda tmp: [*BENCH_VLM, "--audio", "3", "--cps", "2", "--one-launch"],
     "bench_generate": lambda tmp: [sys.executable, "scripts/bench/generate.py", "--lengths", "200", "--cps", "1",
                                    "--new-tokens", "3", "--width", "64", "--layers", "1", "--json",
                                    str(tmp / "rows.json")],
-    "reach_phases": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                 "scripts/bench/reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--phases",
-                                 "--census"],
     "reach_time": lambda tmp: [sys.executable, "scripts/bench/reach_time.py", "--seq-len", "1024", "--rounds", "2"],
-    "reach_saved": lambda tmp: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                "scripts/bench/reach.py", "--arm", "hfcp_tiled", "--seq-len", "1024", "--saved"],
     "bench_dpo": lambda tmp: [sys.executable, "scripts/bench/dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
                               "512", "--side-by-side", "--json", str(tmp / "bench_dpo.json")],
 }
@@ -141,19 +142,23 @@ def test_bench_vlm_images_run_in_one_process(runs):
     assert towers == ["one process"] and "4 images" in out and losses[0] > 0, out
 
 
+def _vlm_results(r) -> list[dict]:
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+
+
 def test_bench_vlm_video_lora_step_keeps_the_loss(runs):
-    towers, losses, out = _bench_vlm_rows(runs["vlm_video"][0])
-    assert towers == ["split over the ranks", "whole on every rank"] and "a video of 8 frames" in out, out
-    assert abs(losses[0] - losses[1]) <= 1e-5 * losses[0], losses
+    """--video at cp 2: the tower's frames split over the ranks, then the whole tower on every rank; the same loss."""
+    split, whole = _vlm_results(runs["vlm_video"][0])
+    assert (split["cp"], split["split"], whole["split"]) == (2, True, False), (split, whole)
+    assert abs(split["loss"] - whole["loss"]) <= 1e-5 * split["loss"], (split, whole)
 
 
 def test_bench_vlm_audio_lora_step_keeps_the_loss(runs):
-    """--audio: the encoder's clips split over the ranks, then whole on every rank; the same loss, and the encoder's
-    part of the peak memory lower when split."""
-    r = runs["vlm_audio"][0]
-    towers, losses, out = _bench_vlm_rows(r)
-    assert towers == ["split over the ranks", "whole on every rank"] and "3 audio clips" in out, out
-    assert abs(losses[0] - losses[1]) <= 1e-5 * losses[0], losses
+    """--audio at cp 2: the encoder's clips split over the ranks, then whole on every rank; the same loss."""
+    split, whole = _vlm_results(runs["vlm_audio"][0])
+    assert (split["cp"], split["split"], whole["split"]) == (2, True, False), (split, whole)
+    assert abs(split["loss"] - whole["loss"]) <= 1e-5 * split["loss"], (split, whole)
 
 
 def test_bench_dpo_measures_three_runs_of_the_same_loss(runs):
@@ -216,11 +221,11 @@ def test_bench_reach_phases_refused_for_alst(monkeypatch):
     from launches import script_error
 
     assert "--phases and --saved need --arm hfcp, hfcp_tiled or hfcp_tiled_offload (got --arm alst)" in script_error(
-        "bench_reach", ["--arm", "alst", "--seq-len", "512", "--phases"], monkeypatch)
+        "bench/reach", ["--arm", "alst", "--seq-len", "512", "--phases"], monkeypatch)
 
 
 def test_bench_reach_moe_refuses_the_alst_arm(monkeypatch):
     from launches import script_error
 
     assert "--model moe runs the hfcp arms only (DeepSpeed's TiledMLP is for dense MLPs)" in script_error(
-        "bench_reach", ["--model", "moe"], monkeypatch)
+        "bench/reach", ["--model", "moe"], monkeypatch)

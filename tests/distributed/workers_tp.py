@@ -9,7 +9,7 @@ import torch.distributed as dist
 import hfcp
 from workers_model import make_batch, tiny_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "tools"))
 import check_tp_cp  # noqa: E402
 
 

@@ -58,7 +58,7 @@ def test_unsupported_model_type_names_types_and_how_to_register():
 
 
 def test_unsupported_head_is_refused():
-    cfg = tiny_model("llama").config  # (a sequence classifier is supported: tests/test_heads.py)
+    cfg = tiny_model("llama").config  # (a sequence classifier is supported: tests/families/test_heads.py)
     model = transformers.LlamaForQuestionAnswering(cfg)
     with pytest.raises(hfcp.UnsupportedModelError, match="LlamaForQuestionAnswering.*has a head hfcp does not "
                                                          "support.*LlamaForSequenceClassification"):

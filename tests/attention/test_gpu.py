@@ -65,7 +65,8 @@ def test_cuda_tiles_match_dense(case, dtype):
 def test_cuda_decode_attention_matches_one_rank_dense():
     """The decode step's attention (hfcp/attention/decode.py) on the GPU, one rank (a world of 1 over NCCL), against
     softmax attention over the same keys: causal by column, a window, softcap and GQA. (One process runs a patched
-    model unchanged, so generation under CP itself needs 2 GPUs: tests/test_inference.py's workers under NCCL.)"""
+    model unchanged, so generation under CP itself needs 2 GPUs: tests/inference/test_inference.py's workers under
+    NCCL.)"""
     import torch.distributed as dist
 
     from hfcp.layout.masks import MaskSpec

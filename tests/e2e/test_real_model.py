@@ -8,7 +8,7 @@ import pytest
 import workers_real as W
 
 pytestmark = pytest.mark.slow
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
+SCRIPTS = str(Path(__file__).resolve().parents[2] / "scripts")
 
 
 def finetune_main(argv: list) -> None:

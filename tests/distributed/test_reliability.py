@@ -21,7 +21,7 @@ def test_batch_check_can_be_turned_off(pool2):
     ("position_shape", "position_ids has shape (1, 15) but the input is (batch=2, seq=16)"),
     ("mask_4d", "attention_mask of shape (2, 1, 16, 16)"),
     ("use_cache", "a KV cache with labels"),  # a training forward runs without a cache
-    ("generate", "beam search rewrites the KV cache"),  # generation: tests/test_inference.py
+    ("generate", "beam search rewrites the KV cache"),  # generation: tests/inference/test_inference.py
 ])
 def test_bad_calls_raise_clear_errors_on_every_rank(pool2, kind, message):
     for msg in pool2.run(W.bad_call, kind):

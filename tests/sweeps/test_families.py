@@ -8,7 +8,7 @@ import pytest
 
 from hfcp.testing.sweeps import families as S
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "tools"))
 import support_matrix  # noqa: E402
 

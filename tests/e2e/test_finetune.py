@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from launches import LAUNCH, finish, in_one_process, script_error, scripts_results, start_together
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "finetune_lora.py")
 COMMON = ["--seq-len", "256", "--max-steps", "4", "--save-every", "2", "--lora-r", "4", "--eval-docs", "1",
           "--grad-accum", "2"]
