@@ -14,7 +14,7 @@ from accelerate.hooks import ModelHook, SequentialHook, add_hook_to_module, remo
 
 from ..attention.interface import KEY
 from ..families.resolve import Plan
-from . import rope, vision, vlm
+from . import rope, vit, vlm
 from .causal_lm import LossHook, ShardSequenceHook
 from .heads import SequenceClassificationHook
 from ..families.heads import classification_head_name
@@ -72,7 +72,7 @@ def attach_vlm(state: CPState, inner, plan: Plan) -> None:
 
 
 def attach_vision(state: CPState, inner, plan: Plan) -> None:
-    for module, hook in vision.attach(inner, state, plan.embeddings):
+    for module, hook in vit.attach(inner, state, plan.embeddings):
         state.undo.append(functools.partial(remove_hook, module, hook))
 
 
