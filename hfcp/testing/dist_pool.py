@@ -108,24 +108,40 @@ class DistPool:
         ]
         for p in self.procs:
             p.start()
+        self._running = None
 
     def run(self, fn, *args, timeout: float = 300.0, expect=None):
-        """`expect`: the ranks whose results to wait for (default all; a test that kills a rank waits for the rest, then
-        closes the pool: a rank not waited for may still be in the task when the next one starts)."""
+        """fn(*args) on every rank: the results in rank order. `expect`: the ranks whose results to wait for (default
+        all; a test that kills a rank waits for the rest, then closes the pool: a rank not waited for may still be in
+        the task when the next one starts)."""
+        return self.submit(fn, *args).result(timeout=timeout, expect=expect)
+
+    def submit(self, fn, *args) -> "Task":
+        """Start fn(*args) on every rank and return at once: the Task's result() waits as run() does. One task at a
+        time per pool; tasks of different pools run side by side (run_side_by_side)."""
+        if self._running is not None:
+            raise RuntimeError(f"this pool is still running {self._running.fn.__name__}: take its result() first")
         for q in self.tasks:
             q.put((fn, args))
+        self._running = Task(self, fn)
+        return self._running
+
+    def _collect(self, fn, timeout: float, expect) -> list:
         out = [None] * self.world
         errors = []
-        for _ in range(self.world if expect is None else len(expect)):
-            try:
-                rank, ok, value = self.results.get(timeout=timeout)
-            except queue.Empty:
-                self.close(kill=True)
-                raise TimeoutError(f"{fn.__name__} did not finish on every rank within {timeout}s (hang?)")
-            if ok:
-                out[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
+        try:
+            for _ in range(self.world if expect is None else len(expect)):
+                try:
+                    rank, ok, value = self.results.get(timeout=timeout)
+                except queue.Empty:
+                    self.close(kill=True)
+                    raise TimeoutError(f"{fn.__name__} did not finish on every rank within {timeout}s (hang?)")
+                if ok:
+                    out[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+        finally:
+            self._running = None
         if errors:
             raise RuntimeError("\n".join(errors))
         return out
@@ -140,3 +156,31 @@ class DistPool:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+class Task:
+    """A task started on every rank of a DistPool (DistPool.submit)."""
+
+    def __init__(self, pool: DistPool, fn):
+        self.pool, self.fn = pool, fn
+
+    def result(self, timeout: float = 300.0, expect=None) -> list:
+        """The results in rank order, once every rank (or those of `expect`) has returned; a rank's exception is a
+        RuntimeError with its traceback, and no result within `timeout` seconds kills the pool (TimeoutError)."""
+        return self.pool._collect(self.fn, timeout, expect)
+
+
+def run_side_by_side(*calls, timeout: float = 300.0) -> list:
+    """[pool.run(fn, *args) for (pool, fn, *args) in calls], the calls running at the same time on their pools (a
+    one-process reference beside the context-parallel run it is compared with: the cores the one leaves idle, the
+    other uses)."""
+    tasks = [pool.submit(fn, *args) for pool, fn, *args in calls]
+    results, failed = [], None
+    for task in tasks:  # every task's result taken (its pool free again), the first failure raised after
+        try:
+            results.append(task.result(timeout=timeout))
+        except Exception as e:  # noqa: BLE001 - raised below, once the other pools are free
+            failed = failed or e
+    if failed is not None:
+        raise failed
+    return results

@@ -4,6 +4,7 @@ import torch
 
 import workers_dpo as W
 from workers_balance import assert_imbalance_logged
+from hfcp.testing.dist_pool import run_side_by_side
 
 pytest.importorskip("trl")  # the optional extra hfcp[trl]; CI installs it
 
@@ -51,8 +52,9 @@ def test_dpo_lora_left_padding_cp2_equals_one_process(pool1, pool2):
     """LoRA: the reference is the policy with its adapter disabled; rows padded on the left; DPOConfig's default
     gradient checkpointing; trainer.predict's logits (whole sequences, made whole from each rank's)."""
     checkpointing = {"gradient_checkpointing": True}
-    ref = pool1.run(W.dpo_run, 2, None, "lora", checkpointing, True, True)[0]
-    for got in pool2.run(W.dpo_run, 2, 2, "lora", checkpointing, True, True):
+    (ref,), got_pool2 = run_side_by_side((pool1, W.dpo_run, 2, None, "lora", checkpointing, True, True),
+                                         (pool2, W.dpo_run, 2, 2, "lora", checkpointing, True, True))
+    for got in got_pool2:
         assert got["patched"] == (True, None), got["patched"]
         assert_same(got, ref)
         (logits, labels), (ref_logits, ref_labels) = got["predictions"], ref["predictions"]
@@ -64,8 +66,9 @@ def test_dpo_lora_reentrant_checkpointing_cp2_equals_one_process(pool1, pool2):
     """use_reentrant=True: DDP (CP always wraps the model in it) crashed in the first backward ("mark a variable
     ready only once") until hfcp gave it static_graph=True."""
     checkpointing = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
-    ref = pool1.run(W.dpo_run, 2, None, "lora", checkpointing)[0]
-    for got in pool2.run(W.dpo_run, 2, 2, "lora", checkpointing):
+    (ref,), got_pool2 = run_side_by_side((pool1, W.dpo_run, 2, None, "lora", checkpointing),
+                                         (pool2, W.dpo_run, 2, 2, "lora", checkpointing))
+    for got in got_pool2:
         assert_same(got, ref)
 
 
@@ -74,16 +77,18 @@ def test_dpo_full_weights_reentrant_checkpointing_accumulation_cp2_equals_one_pr
     chose failed its internal assert (expect_autograd_hooks_) in the first synced backward."""
     overrides = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True},
                  "gradient_accumulation_steps": 2}
-    ref = pool1.run(W.dpo_run, 1, None, "model", overrides)[0]
-    for got in pool2.run(W.dpo_run, 1, 2, "model", overrides):
+    (ref,), got_pool2 = run_side_by_side((pool1, W.dpo_run, 1, None, "model", overrides),
+                                         (pool2, W.dpo_run, 1, 2, "model", overrides))
+    for got in got_pool2:
         assert_same(got, ref)
 
 
 def test_dpo_precomputed_reference_gradient_accumulation_cp2_equals_one_process(pool1, pool2):
     """Reference log-probs computed before training (one copy per DP group), 2 micro-batches per step."""
     overrides = {"gradient_accumulation_steps": 2}
-    ref = pool1.run(W.dpo_run, 1, None, "precompute", overrides)[0]
-    for got in pool2.run(W.dpo_run, 1, 2, "precompute", overrides):
+    (ref,), got_pool2 = run_side_by_side((pool1, W.dpo_run, 1, None, "precompute", overrides),
+                                         (pool2, W.dpo_run, 1, 2, "precompute", overrides))
+    for got in got_pool2:
         assert_same(got, ref)
 
 

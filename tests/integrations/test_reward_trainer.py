@@ -3,6 +3,7 @@ import pytest
 
 import workers_reward as W
 from workers_balance import assert_imbalance_logged
+from hfcp.testing.dist_pool import run_side_by_side
 
 pytest.importorskip("trl")  # the optional extra hfcp[trl]; CI installs it
 
@@ -51,8 +52,8 @@ def test_reward_streamed_eval_dp2_cp2_equals_one_process(pool1, pool4):
     its last, partial step by the rows of the collated batch, two a pair (here as a full batch), and so does the
     gather here (the eval loss is the whole step's on every rank), also without average_tokens_across_devices."""
     case = (None, {"average_tokens_across_devices": False}, False, False, False, True)
-    ref = pool1.run(W.reward_run, 4, *case)[0]
-    for got in pool4.run(W.reward_run, 2, 2, *case[1:]):
+    (ref,), got_pool4 = run_side_by_side((pool1, W.reward_run, 4, *case), (pool4, W.reward_run, 2, 2, *case[1:]))
+    for got in got_pool4:
         assert_same(got, ref)
 
 
@@ -60,8 +61,8 @@ def test_reward_left_padding_accumulation_margin_cp2_equals_one_process(pool1, p
     """Left padding (a collator of one's own), gradient accumulation over 2 micro-batches, a margin column (it
     reaches the loss, never the model's attention)."""
     case = (4, None, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}, True, False, True)
-    ref = pool1.run(W.reward_run, *case)[0]
-    for got in pool2.run(W.reward_run, *case):
+    (ref,), got_pool2 = run_side_by_side((pool1, W.reward_run, *case), (pool2, W.reward_run, *case))
+    for got in got_pool2:
         assert_same(got, ref)
 
 
@@ -69,8 +70,8 @@ def test_reward_lora_cp2_equals_one_process(pool1, pool2):
     """PEFT LoRA (task_type SEQ_CLS: the score head trained in full) given to the trainer as peft_config, with
     gradient checkpointing (the decoder layers recomputed in backward)."""
     case = (4, None, {"gradient_checkpointing": True}, False, True)
-    ref = pool1.run(W.reward_run, *case)[0]
-    for got in pool2.run(W.reward_run, *case):
+    (ref,), got_pool2 = run_side_by_side((pool1, W.reward_run, *case), (pool2, W.reward_run, *case))
+    for got in got_pool2:
         assert_same(got, ref)
 
 

@@ -4,6 +4,7 @@ import torch
 
 import workers_trainer as W
 from workers_balance import assert_imbalance_logged
+from hfcp.testing.dist_pool import run_side_by_side
 
 pytest.importorskip("trl")  # the optional extra hfcp[trl]; CI installs it
 
@@ -34,8 +35,8 @@ def test_sft_cp2_equals_one_process(pool2, sft_reference):
 
 
 def test_sft_packing_cp2_equals_one_process(pool1, pool2):
-    ref = pool1.run(W.sft_run, 2, None, {"packing": True, "max_length": 48})[0]
-    runs = pool2.run(W.sft_run, 2, None, {"packing": True, "max_length": 48})
+    (ref,), runs = run_side_by_side((pool1, W.sft_run, 2, None, {"packing": True, "max_length": 48}),
+                                    (pool2, W.sft_run, 2, None, {"packing": True, "max_length": 48}))
     for got in runs:
         assert_same(got, ref)
     assert_imbalance_logged(runs, ref)
@@ -50,26 +51,29 @@ def test_sft_eval_batch_without_targets_counts_as_zero(pool1, pool2, pool4):
     """SFTTrainer's eval loss is sum / max(targets, 1): a batch without targets counts as 0. A NaN there would be
     dropped by the Trainer (here: the eval loss doubled). The training loss is not changed (no such batch there)."""
     no_truncation = {"max_length": None}  # TRL drops rows that truncation leaves without targets
-    ref = pool1.run(W.sft_run, 4, None, no_truncation, True)[0]
+    (ref,), got_pool2, got_pool4 = run_side_by_side((pool1, W.sft_run, 4, None, no_truncation, True),
+                                                    (pool2, W.sft_run, 4, None, no_truncation, True),
+                                                    (pool4, W.sft_run, 2, 2, no_truncation, True))
     assert 0 < ref["eval"]["eval_loss"] < 3.0, ref["eval"]  # about half the loss of the rows with targets
-    for got in pool2.run(W.sft_run, 4, None, no_truncation, True) + pool4.run(W.sft_run, 2, 2, no_truncation, True):
+    for got in got_pool2 + got_pool4:
         assert_same(got, ref)
 
 
 def test_sft_lora_with_a_trained_head_cp2_equals_one_process(pool1, pool2):
     """PEFT modules_to_save=["lm_head"]: the head is no nn.Linear, so hfcp's chunked loss runs it under activation
     checkpointing, whose saved inputs must not change in place (the token statistics once did: backward failed)."""
-    ref = pool1.run(W.sft_run, 4, None, None, False, True)[0]
-    for got in pool2.run(W.sft_run, 4, None, None, False, True):
+    (ref,), got_pool2 = run_side_by_side((pool1, W.sft_run, 4, None, None, False, True),
+                                         (pool2, W.sft_run, 4, None, None, False, True))
+    for got in got_pool2:
         assert_same(got, ref)
 
 
 def test_sft_vision_dataset_with_trl_collator_cp2_equals_one_process(pool1, pool2):
     """TRL's vision SFT: a dataset of PIL images and text, TRL's DataCollatorForVisionLanguageModeling with a LLaVA
     processor (rows with 0, 1 and 2 images of different sizes, right padding), LoRA on the language model."""
-    ref = pool1.run(W.vlm_sft_run, 2)[0]
+    (ref,), got_pool2 = run_side_by_side((pool1, W.vlm_sft_run, 2), (pool2, W.vlm_sft_run, 2))
     assert len(ref["history"]) == 4 and sum(ref["images_encoded"]) >= 8, ref  # the collator's pixel values reached it
-    for got in pool2.run(W.vlm_sft_run, 2):
+    for got in got_pool2:
         assert sum(got["images_encoded"]) < sum(ref["images_encoded"]), got  # each rank encoded its share
         for g, r in zip(got["history"], ref["history"]):
             assert g.keys() == r.keys(), (g, r)
@@ -82,9 +86,9 @@ def test_sft_audio_rows_cp2_equals_one_process(pool1, pool2):
     """HfcpSFTTrainer on Qwen2-Audio rows (a clip per row at different places; TRL's SFT prepares no audio, so the
     rows pass through with skip_prepare_dataset and a collator), LoRA on the language model: one process's history
     and eval loss, each rank encoding its share of the clips."""
-    ref = pool1.run(W.audio_sft_run, 2)[0]
+    (ref,), got_pool2 = run_side_by_side((pool1, W.audio_sft_run, 2), (pool2, W.audio_sft_run, 2))
     assert len(ref["history"]) == 4 and len({h["loss"] for h in ref["history"]}) > 1, ref  # it trains
-    for got in pool2.run(W.audio_sft_run, 2):
+    for got in got_pool2:
         assert sum(got["clips_encoded"]) < sum(ref["clips_encoded"]), got
         for g, r in zip(got["history"], ref["history"], strict=True):
             for k in r:

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import hfcp
+from hfcp.testing.dist_pool import run_side_by_side
 import workers_trainer as W
 from workers_model import tiny_model
 
@@ -55,9 +56,9 @@ def test_checkpointing_cp2_equals_one_process(pool1, pool2, case):
     find_unused_parameters=False for reentrant checkpointing."""
     weights, reentrant, on_model, overrides, options = CHECKPOINTING_CASES[case]
     run = (4, None, overrides, on_model, weights, reentrant)
-    ref = pool1.run(W.checkpointing_run, *run)[0]
+    (ref,), cp2 = run_side_by_side((pool1, W.checkpointing_run, *run), (pool2, W.checkpointing_run, *run, options))
     assert len({h["loss"] for h in ref["history"] if "loss" in h}) > 1, ref  # it trains
-    for got in pool2.run(W.checkpointing_run, *run, options):
+    for got in cp2:
         if reentrant:
             assert got["ddp"] == {"static_graph": False, "find_unused_parameters": False}, got["ddp"]
         assert len(got["history"]) == len(ref["history"])
@@ -123,8 +124,9 @@ def test_deepspeed_zero3_moe_with_router_aux_loss_cp2_equals_one_process(pool1, 
     router logits (ZeRO-3's forward hook wrote the logits hfcp had hidden back into the output, and the model's
     aux-loss code then met hfcp's mask); with tiled_mlp, its experts and shared expert in tiles."""
     pytest.importorskip("deepspeed")
-    ref = pool1.run(W.train_run, 4, None, "ring", False, None, False, None, "qwen2_moe")[0]
-    for got in pool2.run(W.deepspeed_run, 4, None, 1, options, "qwen2_moe", timeout=600):
+    (ref,), got_pool2 = run_side_by_side((pool1, W.train_run, 4, None, "ring", False, None, False, None, "qwen2_moe"),
+                                         (pool2, W.deepspeed_run, 4, None, 1, options, "qwen2_moe"), timeout=600)
+    for got in got_pool2:
         assert_same_run(got, ref, skip=ZERO3_FLOS)
 
 
@@ -150,8 +152,9 @@ def test_accelerate_fsdp2_dp2_cp2_with_gradient_accumulation(pool4, reference):
 
 
 def test_iterable_dataset_dp2_cp2(pool4, pool1):
-    ref = pool1.run(W.train_run, 4, None, "ring", True)[0]
-    for got in pool4.run(W.train_run, 2, 2, "ring", True):
+    (ref,), got_pool4 = run_side_by_side((pool1, W.train_run, 4, None, "ring", True),
+                                         (pool4, W.train_run, 2, 2, "ring", True))
+    for got in got_pool4:
         assert_same_run(got, ref)
 
 
@@ -164,8 +167,8 @@ def test_resume_continues_the_same_losses(pool4):
 
 
 def test_bf16_trainer_matches_the_unpatched_model_within_bf16(pool1, pool2):
-    ref = pool1.run(W.bf16_run, 4)[0]
-    for got in pool2.run(W.bf16_run, 4):
+    (ref,), got_pool2 = run_side_by_side((pool1, W.bf16_run, 4), (pool2, W.bf16_run, 4))
+    for got in got_pool2:
         for g, r in zip(got["history"], ref["history"]):
             for k in g:
                 assert abs(g[k] - r[k]) <= 2e-2 * max(1.0, abs(r[k])), (k, g, r)
@@ -194,8 +197,8 @@ def test_saved_model_loads_without_hfcp(pool2):
 
 
 def test_padding_free_collator_is_exact(pool1, pool2):
-    ref = pool1.run(W.flattened_run, 4)[0]
-    for got in pool2.run(W.flattened_run, 4):
+    (ref,), got_pool2 = run_side_by_side((pool1, W.flattened_run, 4), (pool2, W.flattened_run, 4))
+    for got in got_pool2:
         assert len(got["history"]) == len(ref["history"])
         for g, r in zip(got["history"], ref["history"]):
             for k in g:
@@ -233,9 +236,9 @@ def test_random_data_pipeline_with_workers_gives_one_batch_per_cp_group(pool1, p
 
 
 def test_vision_predictions_are_whole_sequences(pool1, pool2):
-    ref = pool1.run(W.vision_predict)[0]
+    (ref,), got_pool2 = run_side_by_side((pool1, W.vision_predict), (pool2, W.vision_predict))
     assert ref.shape == (4, 17, 32)
-    for got in pool2.run(W.vision_predict):
+    for got in got_pool2:
         assert got.shape == ref.shape and float((got - ref).abs().max()) < 1e-5
 
 
@@ -379,8 +382,9 @@ def test_hsdp_layout_is_handed_to_accelerate_with_cp_folded_into_dp_shard():
 
 def test_parallelism_config_with_lora_under_fsdp2(pool1, pool4):
     """The pieces together: LoRA (PEFT), FSDP2 over dp_shard x cp and hfcp's CP, all from one ParallelismConfig."""
-    ref = pool1.run(L.layout_run, 4, None, False, False, True)[0]
-    for got in pool4.run(L.layout_run, 2, dict(dp_shard_size=2, cp_size=2), True, False, True):
+    (ref,), got_pool4 = run_side_by_side((pool1, L.layout_run, 4, None, False, False, True),
+                                         (pool4, L.layout_run, 2, dict(dp_shard_size=2, cp_size=2), True, False, True))
+    for got in got_pool4:
         assert got["model_class"].startswith("FSDPPeftModel") and got["handed"] == (4, 1, False), got["model_class"]
         assert_same_run(got, ref)
 

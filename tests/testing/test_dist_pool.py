@@ -1,4 +1,5 @@
-"""The test pool itself (hfcp/testing/dist_pool.py): a task's process groups outlive every rank's part of the task."""
+"""The test pool itself (hfcp/testing/dist_pool.py): a task's process groups outlive every rank's part of the task;
+tasks of two pools run side by side."""
 import os
 import signal
 import subprocess
@@ -49,3 +50,36 @@ def test_a_device_mesh_leaves_no_group_to_the_next_task(pool2):
     whose idle gloo threads took 0.15 of a core per worker and slowed every later test."""
     assert all(n >= 1 for n in pool2.run(make_device_mesh)), "the mesh made no groups"
     assert pool2.run(groups_left) == [0, 0]
+
+
+def wait_then_rank(seconds: float) -> int:
+    import time
+
+    time.sleep(seconds)
+    return dist.get_rank()
+
+
+def fail_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails")
+
+
+def test_tasks_of_two_pools_run_side_by_side(pool1, pool2):
+    """run_side_by_side: the tasks overlap (two 1-second waits take well under 2 s), their results come back by pool
+    and rank, and a task that fails still leaves both pools free for the next."""
+    import time
+
+    import pytest
+
+    from hfcp.testing.dist_pool import run_side_by_side
+
+    start = time.perf_counter()
+    assert run_side_by_side((pool1, wait_then_rank, 1.0), (pool2, wait_then_rank, 1.0)) == [[0], [0, 1]]
+    assert time.perf_counter() - start < 1.8
+    with pytest.raises(RuntimeError, match="rank 1 fails"):
+        run_side_by_side((pool2, fail_on_rank_one), (pool1, wait_then_rank, 0.1))
+    assert pool2.run(wait_then_rank, 0.0) == [0, 1] and pool1.run(wait_then_rank, 0.0) == [0]
+    task = pool1.submit(wait_then_rank, 0.0)
+    with pytest.raises(RuntimeError, match="still running wait_then_rank"):
+        pool1.submit(wait_then_rank, 0.0)
+    assert task.result() == [0]
