@@ -15,7 +15,6 @@ TESTS = Path(__file__).resolve().parent
 FOLDERS = sorted(str(d) for d in TESTS.iterdir() if d.is_dir() and not d.name.startswith(("_", ".")))
 sys.path[:0] = [str(TESTS), *FOLDERS]
 
-import launches  # noqa: E402
 from hfcp.testing.dist_pool import DistPool  # noqa: E402
 
 # what a quick loop (pytest -m "not sweep and not e2e") leaves out: the sweeps over every family transformers ships
@@ -32,19 +31,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.sweep)
         if folder == "e2e":
             item.add_marker(pytest.mark.e2e)
-
-
-def pytest_collection_finish(session):
-    """The end-to-end tests last, their runs (launches.early) started now, behind everything before them."""
-    items = session.items
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)  # (stable: each group keeps its order)
-    modules = {item.module.__name__ for item in items if item.get_closest_marker("e2e") is not None}
-    if modules:
-        launches.start_early(modules, Path(session.config._tmp_path_factory.mktemp("early")))
-
-
-def pytest_sessionfinish(session, exitstatus):
-    launches.stop_early()
 
 
 # non-daemon workers may start processes of their own (DataLoader workers); the teardown closes them
@@ -76,5 +62,5 @@ def job_runs(tmp_path_factory):
     test_full_finetune.py read, started together once (test_finetune.run_the_jobs)."""
     from test_finetune import run_the_jobs
 
-    done, d = launches.early_result(run_the_jobs, tmp_path_factory)
-    return d, done
+    d = tmp_path_factory.mktemp("ft")
+    return d, run_the_jobs(d)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +29,6 @@ def start_together(commands: dict, tmp: Path, **env) -> dict:
     for name, args in commands.items():
         out, err = open(tmp / f"{name}.out", "w"), open(tmp / f"{name}.err", "w")
         proc = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=err, text=True, env={**os.environ, **env})
-        _PROCS.append(proc)
         started[name] = (proc, args, out, err)
     return started
 
@@ -91,55 +89,3 @@ def scripts_results(scripts: dict, tmp: Path, launch: subprocess.CompletedProces
         stderr = "".join(p.with_suffix(".err").read_text() for p in ranks if p.with_suffix(".err").is_file())
         done[name] = subprocess.CompletedProcess(argv, code, stdout, stderr + ("" if finished else launch.stderr))
     return done
-
-
-# ---- the end-to-end runs, started with the session ---------------------------------------------------------------
-# The in-process and pool tests leave a core idle much of the time; the end-to-end runs are processes that fill the
-# cores. So tests/conftest.py starts the runs registered here as soon as the tests are collected (those of the
-# selected modules), each in a thread of its own that starts its processes and waits for them, and runs the
-# end-to-end tests last, by when their runs have overlapped everything before them.
-_EARLY: dict[str, tuple] = {}  # name -> (fn(directory), the test modules that read it)
-_STARTED: dict[str, tuple[Future, Path]] = {}
-_THREADS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hfcp-e2e")  # one run at a time: each fills the cores
-_PROCS: list[subprocess.Popen] = []  # every process start_together started (stop_early kills those still running)
-
-
-def early(*readers: str):
-    """Decorator: register fn(directory) -> result, a run that end-to-end tests read through early_result, to start
-    with the session when a test of fn's module (or of a module named in `readers`) is selected."""
-    def register(fn):
-        _EARLY[fn.__name__] = (fn, {fn.__module__, *readers})
-        return fn
-    return register
-
-
-def start_early(modules: set, base: Path) -> list[str]:
-    """Start, each in its own thread, the registered runs that a module in `modules` reads, in directories under
-    `base`; returns their names."""
-    started = []
-    for name, (fn, readers) in _EARLY.items():
-        if readers & modules and name not in _STARTED:
-            d = base / name
-            d.mkdir(parents=True, exist_ok=True)
-            _STARTED[name] = (_THREADS.submit(fn, d), d)
-            started.append(name)
-    return started
-
-
-def early_result(fn, tmp_path_factory) -> tuple:
-    """(fn's result, its directory): of the run started with the session, or, if none was, of fn run now."""
-    if fn.__name__ in _STARTED:
-        future, d = _STARTED[fn.__name__]
-        return future.result(), d
-    d = tmp_path_factory.mktemp(fn.__name__)
-    result = fn(d)
-    _STARTED[fn.__name__] = (_THREADS.submit(lambda: result), d)
-    return result, d
-
-
-def stop_early() -> None:
-    """At the session's end: kill what a run left running (a test run stopped early, -x), let the threads go."""
-    for proc in _PROCS:
-        if proc.poll() is None:
-            proc.kill()
-    _THREADS.shutdown(wait=False, cancel_futures=True)

@@ -6,29 +6,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from launches import early, early_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@early()
-def bench_runs(out: Path) -> dict:
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
     """bench/bench.py --quick's process and output directory, and the full fine-tune measurements of one and two ranks
     (scripts/bench/full.py through bench.measure_full), all three started at the same time (each is a chain of
     process starts; side by side they share the cores instead of following each other)."""
     sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     import bench
 
+    out = tmp_path_factory.mktemp("bench")
     with ThreadPoolExecutor(3) as threads:
         quick = threads.submit(subprocess.run, [sys.executable, str(ROOT / "scripts" / "bench" / "bench.py"), "--quick",
                                                 "--out", str(out)], capture_output=True, text=True, timeout=300)
         one, two = (threads.submit(bench.measure_full, 128, 512, world) for world in (1, 2))
         return {"quick": (quick.result(), out), "full": (one.result(), two.result())}
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return early_result(bench_runs, tmp_path_factory)[0]
 
 
 def test_bench_quick_runs_and_losses_agree(runs):

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launches import LAUNCH, early, finish, in_one_process, script_error, scripts_results, start_together
+from launches import LAUNCH, finish, in_one_process, script_error, scripts_results, start_together
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "finetune_lora.py")
@@ -24,7 +24,6 @@ def _losses(out_dir):
     return [json.loads(line)["loss"] for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-@early("test_full_finetune")
 def run_the_jobs(d: Path) -> dict:
     """{name: CompletedProcess} of the job's runs, outputs under `d`: the LoRA job in one process and at cp 2, the
     video and dpo tasks likewise, and test_full_finetune.py's --full-finetune runs (one process and FSDP2 at cp 2, in

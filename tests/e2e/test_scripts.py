@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launches import LAUNCH, ROOT, early, early_result, in_one_process, run_together, scripts_results
+from launches import LAUNCH, ROOT, in_one_process, run_together, scripts_results
 
 BENCH_VLM = [sys.executable, "scripts/bench/vlm.py", "--repeats", "1", "--width", "64", "--layers", "1"]
 VLM_AT_CP2 = ["scripts/bench/vlm.py", "--one", "--both", "--cp", "2", "--repeats", "1", "--width", "64",
@@ -43,17 +43,12 @@ RUNS = {
 }
 
 
-@early()
-def script_runs(tmp: Path) -> dict:
-    """{name: CompletedProcess} of RUNS and LAUNCHED, run in `tmp` (started with the session: launches.early)."""
-    done = run_together({n: cmd(tmp) for n, cmd in RUNS.items()}, tmp)
-    return done | scripts_results({n: cmd(tmp) for n, cmd in LAUNCHED.items()}, tmp, done.pop("launched"))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{name: (CompletedProcess, the runs' temporary directory)} of RUNS and LAUNCHED."""
-    done, tmp = early_result(script_runs, tmp_path_factory)
+    """{name: (CompletedProcess, the runs' temporary directory)} of RUNS."""
+    tmp = tmp_path_factory.mktemp("scripts")
+    done = run_together({n: cmd(tmp) for n, cmd in RUNS.items()}, tmp)
+    done |= scripts_results({n: cmd(tmp) for n, cmd in LAUNCHED.items()}, tmp, done.pop("launched"))
     return {name: (r, tmp) for name, r in done.items()}
 
 

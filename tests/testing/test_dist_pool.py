@@ -59,23 +59,39 @@ def wait_then_rank(seconds: float) -> int:
     return dist.get_rank()
 
 
+def wait_for_file(path: str) -> bool:
+    """True once `path` exists (another pool's task writes it), False after 60 s without it."""
+    import time
+
+    for _ in range(600):
+        if os.path.exists(path):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def write_file(path: str) -> int:
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.write("here")
+    return dist.get_rank()
+
+
 def fail_on_rank_one() -> None:
     if dist.get_rank() == 1:
         raise ValueError("rank 1 fails")
 
 
-def test_tasks_of_two_pools_run_side_by_side(pool1, pool2):
-    """run_side_by_side: the tasks overlap (two 1-second waits take well under 2 s), their results come back by pool
-    and rank, and a task that fails still leaves both pools free for the next."""
-    import time
-
+def test_tasks_of_two_pools_run_side_by_side(pool1, pool2, tmp_path):
+    """run_side_by_side: the tasks overlap (pool1's task waits for a file that pool2's task, started after it,
+    writes: one after the other, it would wait in vain), their results come back by pool and rank, and a task that
+    fails still leaves both pools free for the next."""
     import pytest
 
     from hfcp.testing.dist_pool import run_side_by_side
 
-    start = time.perf_counter()
-    assert run_side_by_side((pool1, wait_then_rank, 1.0), (pool2, wait_then_rank, 1.0)) == [[0], [0, 1]]
-    assert time.perf_counter() - start < 1.8
+    marker = str(tmp_path / "written")
+    assert run_side_by_side((pool1, wait_for_file, marker), (pool2, write_file, marker)) == [[True], [0, 1]]
     with pytest.raises(RuntimeError, match="rank 1 fails"):
         run_side_by_side((pool2, fail_on_rank_one), (pool1, wait_then_rank, 0.1))
     assert pool2.run(wait_then_rank, 0.0) == [0, 1] and pool1.run(wait_then_rank, 0.0) == [0]
