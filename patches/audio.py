@@ -4,7 +4,7 @@ input exactly as for vision-language models (hfcp/hooks/vlm.py); the language mo
 audio encoder's clips are split over the CP group where its type encodes each clip alone (PER_CLIP_ENCODERS;
 hfcp/hooks/tower_split.py); any other encoder runs whole on every rank (exact; its memory does not fall with cp).
 Qwen2.5-Omni's vision tower is split by frames, as Qwen2.5-VL's. Each type here is shown exact by the audio sweep
-(tests/sweep_audio.py, tests/families/test_audio.py) with a text-only batch and with three clips."""
+(hfcp/testing/sweeps/audio.py, tests/families/test_audio.py) with a text-only batch and with three clips."""
 from hfcp.families.registry import Patcher, register_patcher
 from hfcp.families.towers import register_per_clip_encoder, register_per_image_tower
 

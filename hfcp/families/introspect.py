@@ -5,7 +5,7 @@
 - whether every decoder layer mixes tokens through such an attention module and nothing else (an SSM,
   convolution or recurrent mixer would run on a rank's shard alone), and whether any convolution over tokens sits
   outside the mixers a record makes exact (even inside an attention module);
-- (what a causal LM's forward does to its logits and router loss: forward_source.py).
+- (what a causal LM's forward does to its logits and router loss: forward_reading.py).
 
 Source inspection decides only what is safe: anything it cannot read is treated as unsupported or
 post-processed, and the runtime checks (every patched module must call hfcp's attention each step; attention

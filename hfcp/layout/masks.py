@@ -1,6 +1,6 @@
 """The per-call part of an attention mask (MaskSpec) and what it reads from the model and the step: the layer's
-attention chunk and each token's chunk id. Every mask is a predicate on global token indices (hfcp/attention/
-blocks.py plans tiles from it; hfcp/layout/work.py counts the work it allows)."""
+attention chunk and each token's chunk id. Every mask is a predicate on global token indices
+(hfcp/attention/tiles.py plans tiles from it; hfcp/layout/work.py counts the work it allows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

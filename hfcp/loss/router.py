@@ -10,7 +10,7 @@ each rank sums T, P and N over its own tokens and the sums are all-reduced over 
 losses averaged). Gradients flow through P only (T counts a top-k choice), via the all-reduce whose backward
 keeps hfcp's convention (the mean over the group of a parameter's grad is the single-device grad).
 
-hfcp reads the expert count, top-k and coefficient from the causal LM's forward (forward_source.router_aux_loss)
+hfcp reads the expert count, top-k and coefficient from the causal LM's forward (forward_reading.router_aux_loss)
 and checks, when patching, that the family's own loss function computes this formula (check_form).
 """
 from __future__ import annotations
