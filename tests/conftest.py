@@ -14,6 +14,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 TESTS = Path(__file__).resolve().parent
 FOLDERS = sorted(str(d) for d in TESTS.iterdir() if d.is_dir() and not d.name.startswith(("_", ".")))
 sys.path[:0] = [str(TESTS), *FOLDERS]
+# the maintainer tools the tests hold the repository to (support_matrix regenerates what the sweeps check,
+# check_tp_cp's functions are the TP x CP tests')
+sys.path.insert(0, str(TESTS.parent / "scripts" / "tools"))
 
 from hfcp.testing.dist_pool import DistPool  # noqa: E402
 
@@ -31,6 +34,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.sweep)
         if folder == "e2e":
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="module")
+def sweep(request, pool2):
+    """The results of the module's sweep (its SWEEP: a sweep of hfcp.testing.sweeps) at cp 2, run once per module;
+    both ranks must agree."""
+    results = pool2.run(request.module.SWEEP, timeout=900)
+    assert results[0] == results[1], "the ranks disagree"
+    return results[0]
 
 
 # non-daemon workers may start processes of their own (DataLoader workers); the teardown closes them

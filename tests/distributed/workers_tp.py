@@ -1,16 +1,13 @@
 """Tensor parallelism x CP and CP groups given as device meshes (issue 21): 4 gloo processes."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch.distributed as dist
 
 import hfcp
 from workers_model import make_batch, tiny_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "tools"))
-import check_tp_cp  # noqa: E402
+import check_tp_cp
 
 
 def save_tiny_llama(path: str, heads: int = 4, kv_heads: int = 2) -> None:

@@ -1,23 +1,13 @@
 """Audio-language and omni models: the audio sweep over every multimodal-LM type of transformers with an audio
 encoder (exact or refused, never silently wrong; every type with a record exact) and its matrix in the docs; a
 text-only, left-padded row beside a row of two clips at cp 2 with allgather and at cp 4."""
-import sys
-from pathlib import Path
-
 import pytest
+
+import support_matrix
 
 from hfcp.testing.sweeps import audio as S
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "tools"))
-import support_matrix  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def sweep(pool2):
-    results = pool2.run(S.sweep, timeout=900)
-    assert results[0] == results[1], "the ranks disagree"
-    return results[0]
+SWEEP = S.sweep  # what the `sweep` fixture (tests/conftest.py) runs
 
 
 def test_no_audio_model_is_silently_wrong_or_crashes(sweep):

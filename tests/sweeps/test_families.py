@@ -1,23 +1,13 @@
 """The family sweep over every causal-LM type of transformers: exact or refused, never silently wrong; and the
 support matrix (docs/reference/support-matrix.md, patches/verified.py) is what a fresh sweep gives."""
 import re
-import sys
-from pathlib import Path
 
-import pytest
+
+import support_matrix
 
 from hfcp.testing.sweeps import families as S
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "tools"))
-import support_matrix  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def sweep(pool2):
-    results = pool2.run(S.sweep, timeout=900)
-    assert results[0] == results[1], "the ranks disagree"
-    return results[0]
+SWEEP = S.sweep  # what the `sweep` fixture (tests/conftest.py) runs
 
 
 def test_no_family_is_silently_wrong_or_crashes(sweep):

@@ -1,23 +1,11 @@
 """The VLM sweep over every image-text-to-text type of transformers: exact or refused, never silently wrong, with
 a text-only batch and with images; and its matrix (docs/reference/support-matrix.md, patches/verified_vlm.py) is what a
 fresh sweep gives."""
-import sys
-from pathlib import Path
+import support_matrix
 
-import pytest
+from hfcp.testing.sweeps import vlms
 
-from hfcp.testing.sweeps import vlms as S
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "tools"))
-import support_matrix  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def sweep(pool2):
-    results = pool2.run(S.sweep, timeout=900)
-    assert results[0] == results[1], "the ranks disagree"
-    return results[0]
+SWEEP = vlms.sweep  # what the `sweep` fixture (tests/conftest.py) runs
 
 
 def test_no_vlm_is_silently_wrong_or_crashes(sweep):
