@@ -2,7 +2,6 @@
 support matrix (docs/reference/support-matrix.md, patches/verified.py) is what a fresh sweep gives."""
 import re
 
-
 import support_matrix
 
 from hfcp.testing.sweeps import families as S
