@@ -11,4 +11,5 @@ RECORDS = {"hfcp.patches" + ("." + sub if sub else ""): "patches" + ("/" + sub.r
 setup(
     packages=find_packages(include=["hfcp", "hfcp.*"]) + sorted(RECORDS),
     package_dir=RECORDS,
+    package_data={"hfcp.planning.configs": ["*.json"]},  # (hfcp plan's shipped configs)
 )

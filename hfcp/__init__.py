@@ -11,6 +11,7 @@ from .state import cp_state
 from .outputs.logps import SequenceLogps, sequence_logps
 from .families.registry import Patcher, UnsupportedModelError, register_patcher, supported_model_types
 from .pipelining import pipeline
+from .planning import Plan, plan
 
 from . import patches  # noqa: E402,F401  (registers the families; installed from the repo's patches/)
 
@@ -18,5 +19,6 @@ __all__ = [
     "patch", "unpatch", "gather_sequence", "pool_sequence", "gather_outputs", "cp_state", "data_parallel_rank_and_size",
     "average_gradients", "sequence_logps", "SequenceLogps", "balance_report", "step_imbalance",
     "UnsupportedModelError", "CollectiveError", "Patcher", "register_patcher", "supported_model_types", "pipeline",
+    "plan", "Plan",
 ]
 __version__ = "0.1.0"

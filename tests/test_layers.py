@@ -9,7 +9,8 @@ HFCP = ROOT / "hfcp"
 
 # bottom first: a part may import the parts before it
 LAYERS = ["compiler", "layout", "state", "distributed", "attention", "loss", "families", "mixers", "memory",
-          "inference", "hooks", "outputs", "report", "api", "testing", "commands", "pipelining", "integrations"]
+          "inference", "hooks", "outputs", "report", "api", "planning", "testing", "commands", "pipelining",
+          "integrations"]
 
 LOOSE_MODULES = {"api.py", "compiler.py", "report.py", "state.py"}  # hfcp/*.py besides __init__.py: at most 5
 RECORD_PARTS = {"families", "mixers"}  # what patches/ may import

@@ -9,6 +9,7 @@ from . import STRATEGIES, MaskSpec
 from ..compiler import eager
 from ..layout.masks import attention_chunk  # noqa: F401 - (hfcp.attention.interface.attention_chunk, as before)
 from .decode import DecodeStep, decode_attention
+from .kernels import autocast_off, autocast_on
 from .outer_mask import OuterMask, hfcp_mask, layer_mask
 
 KEY = "hfcp"
@@ -67,7 +68,7 @@ def hfcp_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = same_dtype(query, key, value, type(module).__name__)
     query, key, value, v_dim = same_head_dim(query, key, value)
-    with torch.autocast(query.device.type, enabled=False):  # the strategies choose their own precisions
+    with autocast_off(query.device.type):  # the strategies choose their own precisions
         out = STRATEGIES[state.strategy](query, key, value, step, spec, scale, state.attention_group, sink)
     window = state.fwd.cache.kept_window(getattr(module, "layer_idx", None), sliding_window) \
         if state.fwd.cache is not None else None
@@ -100,7 +101,7 @@ def decode_call(module, query, key, value, step: DecodeStep, state, scaling, sli
     spec = MaskSpec(True, sliding_window, float(softcap) if softcap else None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = same_dtype(query, key, value, type(module).__name__)
-    with torch.autocast(query.device.type, enabled=False):
+    with autocast_off(query.device.type):
         out = decode_attention(query, key, value, step.columns, cache.columns[layer].to(key.device),
                                cache.valid[layer].to(key.device), spec, scale, state.mesh.cp_group, sink)
     window = cache.kept_window(layer, sliding_window)
@@ -179,7 +180,7 @@ def same_dtype(query, key, value, name: str):
     """q, k, v in one dtype, as SDPA sees them: under autocast all in the autocast dtype (after RoPE q/k are
     often fp32 while v is bf16); otherwise they must already agree (SDPA refuses a mix too)."""
     device = query.device.type
-    if torch.is_autocast_enabled(device):
+    if autocast_on(device):
         dtype = torch.get_autocast_dtype(device)
         return tuple(t.to(dtype) for t in (query, key, value))
     if not query.dtype == key.dtype == value.dtype:

@@ -15,6 +15,7 @@ hfcp keeps it: accumulators are allocated like q, and K/V blocks travel in their
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -23,6 +24,17 @@ import torch
 from . import cuda_kernels
 
 NEG_INF = float("-inf")
+
+
+def autocast_off(device_type: str):
+    """Autocast off on `device_type`; nothing to turn off on a device without autocast (meta: hfcp's dry run)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
+def autocast_on(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -170,7 +182,7 @@ def choose_kernel(device, dtype: torch.dtype, head_dim: int, masked: bool, softc
     device = torch.device(device)
     if softcap is not None:
         return "math"
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):  # (meta: hfcp's dry run, which takes the CPU kernel's shapes)
         return "cpu"
     if device.type != "cuda":
         return "math"
@@ -191,7 +203,7 @@ def has_fused_kernel(device, dtype=torch.float32) -> bool:
     """Whether masked tiles run on a fused kernel that tiles internally (CPU flash, CUDA memory-efficient SDPA after
     its self-check); else the plain-math kernel, whose tiles the planner keeps small."""
     device = torch.device(device)
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):  # (meta: hfcp's dry run, which takes the CPU kernels)
         return True
     return device.type == "cuda" and _masked_usable(device, dtype)
 
@@ -207,7 +219,7 @@ def _kernel(q, k, mask, is_causal: bool):
 def kernel_forward(q, k, v, mask, is_causal: bool, scale: float, softcap: float | None = None):
     """One block of attention: returns (out in q's dtype, lse in acc_dtype). q, k, v share one dtype; autocast
     is off inside (the caller brought q/k/v to the autocast dtype, as SDPA does). A softcap takes the math kernel."""
-    with torch.autocast(q.device.type, enabled=False):
+    with autocast_off(q.device.type):
         if softcap is not None:
             return reference_forward(q, k, v, mask, is_causal, scale, softcap)
         out, lse = _kernel(q, k, mask, is_causal)[0](q, k, v, mask, is_causal, scale)
@@ -216,7 +228,7 @@ def kernel_forward(q, k, v, mask, is_causal: bool, scale: float, softcap: float 
 
 def kernel_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float, softcap: float | None = None):
     """Block gradients given the *merged* out and lse (rows with no key anywhere carry lse = +inf)."""
-    with torch.autocast(q.device.type, enabled=False):
+    with autocast_off(q.device.type):
         if softcap is not None:
             return reference_backward(dout, q, k, v, out, lse, mask, is_causal, scale, softcap)
         return _kernel(q, k, mask, is_causal)[1](dout, q, k, v, out, lse, mask, is_causal, scale)

@@ -145,14 +145,17 @@ def _plan_pair(spec, sb, q, k, dtype, device, tiles) -> None:
             _plan_pair(spec, sb, q, (ks, h, ko), dtype, device, tiles)
             _plan_pair(spec, sb, q, (ks + h, kl - h, ko + h), dtype, device, tiles)
         return
-    allowed = _allowed(spec, sb, qs, ql, ks, kl, device)
+    # (the meta device, hfcp's dry run: the mask is made on the host, where its values are, then taken there)
+    where = torch.device("cpu") if device.type == "meta" else device
+    allowed = _allowed(spec, sb, qs, ql, ks, kl, where)
     empty = ~allowed.any(-1)  # (B or 1, 1, ql)
     if bool(empty.all()):
         return
     if allowed.device.type == "cuda":  # rows aligned for the memory-efficient kernel, built once per step
         mask = aligned_mask(allowed, dtype)
     else:
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, NEG_INF)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=where).masked_fill_(~allowed, NEG_INF).to(device)
+        empty = empty.to(device)
     tiles.append(Tile(qo, ql, ko, kl, mask=mask, empty_rows=empty if bool(empty.any()) else None, softcap=cap))
 
 

@@ -18,6 +18,7 @@ arguments its experts got, and the experts on those whole and in uneven parts, i
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import re
@@ -197,7 +198,7 @@ def probe_input(width: int, like: torch.Tensor) -> torch.Tensor:
 
 def forked_rng(device: torch.device):
     """torch.random.fork_rng over the CPU's random state and `device`'s (an accelerator of any type)."""
-    accelerator = device.type != "cpu"
+    accelerator = device.type not in ("cpu", "meta")  # (meta: the dry run, no random state of its own)
     return torch.random.fork_rng(devices=[device] if accelerator else [],
                                  device_type=device.type if accelerator else "cuda")
 
@@ -244,9 +245,14 @@ class _Call:
         self.forward, self.name = forward, getattr(forward, "__qualname__", "the tiled module")
         self.autocast = (device.type, dict(enabled=torch.is_autocast_enabled(device.type),
                                            dtype=torch.get_autocast_dtype(device.type),
-                                           cache_enabled=torch.is_autocast_cache_enabled()))
-        self.device = device if device.type != "cpu" else None  # (an accelerator: its random state too)
+                                           cache_enabled=torch.is_autocast_cache_enabled())) \
+            if torch.amp.is_autocast_available(device.type) else None  # (meta: the dry run)
+        self.device = device if device.type not in ("cpu", "meta") else None  # (an accelerator: its random state too)
         self.tile, self.rng, self.grad = None, [], None
+
+
+def _autocast(call: _Call):
+    return torch.autocast(call.autocast[0], **call.autocast[1]) if call.autocast else contextlib.nullcontext()
 
 
 class _Keep(torch.autograd.Function):
@@ -272,7 +278,7 @@ class _Keep(torch.autograd.Function):
             xs = [x.detach().requires_grad_(need) for x, need in zip(part, needs)]
             with forked_rng(call.device or torch.device("cpu")):
                 _set_rng(state, call.device)
-                with torch.enable_grad(), torch.autocast(call.autocast[0], **call.autocast[1]):
+                with torch.enable_grad(), _autocast(call):
                     out = call.forward(*xs)
             wrt = [x for x, need in zip(xs, needs) if need] + list(params)
             if n == 0:

@@ -32,5 +32,7 @@ def test_the_wheel_holds_every_package_of_the_source_tree(tmp_path):
     modules = {f for f in files if f.endswith(".py")}
     for record in (ROOT / "patches").glob("*.py"):
         assert f"hfcp/patches/{record.name}" in modules, f"{record.name} missing from the wheel"
+    for config in (ROOT / "hfcp" / "planning" / "configs").glob("*.json"):  # (hfcp plan's shipped configs)
+        assert f"hfcp/planning/configs/{config.name}" in files, f"{config.name} missing from the wheel"
     scripts = [f for f in files if f.endswith("entry_points.txt")]
     assert scripts and "hfcp" in zipfile.ZipFile(wheel).read(scripts[0]).decode()

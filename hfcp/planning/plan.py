@@ -1,0 +1,369 @@
+"""hfcp.plan: the memory one rank needs for a training step of a model at a length and layout, the longest length
+that fits a device, the bytes a rank sends and a roofline estimate of the step's time.
+
+The activations come from hfcp's own step, dry-run (dry_run.py, trace.py): three traces of the model cut to one
+and two periods of its layer pattern, at two lengths a rank, give a per-token cost of a layer's working set, a
+per-token per-layer cost of what the layers keep (the checkpoints) and the fixed parts (the loss chunk, a tile, an
+attention kernel's piece): every count is what the code allocates, so a change to the code that changes memory
+changes the plan. Everything a rank holds besides (weights, gradients, optimizer states, gathered shards) is
+counted from the model's parameters as transformers builds them (on the meta device); what a GPU process holds
+beside its tensors is the device's stated overhead (devices.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from ..attention.tiles import KERNEL_TILE
+from ..attention.volume import comm_bytes
+from ..hooks.causal_lm import DEFAULT_LOSS_CHUNK
+from ..memory.tiled_mlp import tile_tokens
+from .configs import load_config
+from .devices import GIB, Device, resolve_device
+from .trace import DTYPES, Setup, build, layer_period, trace
+
+STRATEGIES = ("ring", "allgather", "ulysses", "usp")
+RING_TRACED = 4  # a ring's ranks hold the same bytes at any ring size: traced on this many ranks at most
+ADAM_BYTES = 8  # two fp32 moments a trainable parameter
+MASTER_BYTES = 4  # the fp32 copy of a trainable parameter trained in bf16 / fp16 (mixed precision)
+
+
+@dataclasses.dataclass
+class Params:
+    """Parameter counts of the whole model (meta device)."""
+    total: int
+    trainable: int
+    largest_layer: int  # the largest decoder layer or the head / embedding: what one sharded gather holds
+    active: int  # parameters one token multiplies through (a mixture's chosen experts only)
+    attention_layers: int
+    weight_bytes: int  # bytes an element of the weights
+
+
+@dataclasses.dataclass
+class Line:
+    """bytes = base + per_token x n + (L / period - 1) x per_token_period x n, for n tokens a rank and L layers."""
+    base: float
+    per_token: float
+    per_token_period: float
+
+    def at(self, n: float, periods: float) -> float:
+        return self.base + self.per_token * n + (periods - 1) * self.per_token_period * n
+
+
+def _line(a: float, b: float, c: float, n1: int, n2: int) -> Line:
+    """The Line through a = (one period, n1), b = (one period, n2), c = (two periods, n1)."""
+    slope = (b - a) / (n2 - n1)
+    return Line(a - slope * n1, slope, (c - a) / n1)
+
+
+@dataclasses.dataclass
+class Fit:
+    """A rank's step bytes against its tokens n and the layer count L: for each part of the step (the forward of the
+    MLPs, the loss, the backward of attention, ...) the activations' peak while it runs, a Line, with what is alive
+    then by component (Lines too) and the gradients alive then; the step's peak is the highest part's."""
+    period: int
+    regions: dict  # part -> (Line of its activations' peak, {component: Line}, gradients alive then)
+    host: Line
+
+    def peak_region(self, n: float, layers: int) -> str:
+        return max(self.regions, key=lambda r: self.regions[r][0].at(n, layers / self.period))
+
+    def act(self, n: float, layers: int) -> float:
+        return self.regions[self.peak_region(n, layers)][0].at(n, layers / self.period)
+
+    def parts(self, n: float, layers: int) -> tuple[dict, float]:
+        line, parts, grads = self.regions[self.peak_region(n, layers)]
+        return {k: v.at(n, layers / self.period) for k, v in parts.items()}, grads
+
+
+@dataclasses.dataclass
+class Plan:
+    model: str
+    device: str
+    seq_len: int
+    layout: dict
+    peak_bytes: int
+    step_bytes: int
+    breakdown: dict  # component -> bytes on the device at the peak
+    host_bytes: int
+    max_seq_len: int
+    comm_bytes_per_step: float
+    step_time_s: float  # a roofline estimate (peak FLOP/s, link bandwidths): a lower bound
+    time_parts: dict
+    fits: bool
+    limit: str  # the largest component at twice max_seq_len, and what would move it
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    def __str__(self) -> str:
+        lay = ", ".join(f"{k}={v}" for k, v in self.layout.items() if v not in (None, False))
+        rows = [f"hfcp plan: {self.model} on {self.device}, {self.seq_len:,} tokens",
+                f"  layout: {lay}",
+                f"  {'component':38s} {'GiB per rank':>12s}"]
+        for name, nbytes in self.breakdown.items():
+            rows.append(f"  {name:38s} {nbytes / GIB:12.2f}")
+        rows += [f"  {'peak (device memory per rank)':38s} {self.peak_bytes / GIB:12.2f}"
+                 f"   {'fits' if self.fits else 'DOES NOT FIT'}",
+                 f"  {'the step adds (step_bytes)':38s} {self.step_bytes / GIB:12.2f}",
+                 f"  {'host memory per rank':38s} {self.host_bytes / GIB:12.2f}",
+                 f"  longest sequence that fits: {self.max_seq_len:,} tokens",
+                 f"  limit: {self.limit}",
+                 f"  sent per rank per step: {self.comm_bytes_per_step / GIB:.2f} GiB",
+                 f"  step time (roofline estimate, a lower bound): {self.step_time_s:.2f} s ("
+                 + ", ".join(f"{k} {v:.2f} s" for k, v in self.time_parts.items()) + ")"]
+        return "\n".join(rows)
+
+
+def _params(config, setup: Setup) -> Params:
+    model = build(config, setup)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(base, "model", base), "layers", [])
+    experts = 0
+    for name, module in base.named_modules():
+        if name.endswith("experts") and hasattr(module, "parameters"):
+            experts += sum(p.numel() for p in module.parameters())
+    top_k = getattr(config, "num_experts_per_tok", None)
+    n_exp = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    total = sum(p.numel() for p in model.parameters())
+    active = total - experts + (experts * top_k // n_exp if top_k and n_exp else experts)
+    embed = base.get_input_embeddings().weight.numel()
+    largest = max([sum(p.numel() for p in layer.parameters()) for layer in layers] + [embed])
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    attention = sum(1 for t in types if "attention" in t and "linear" not in t)
+    return Params(total, sum(p.numel() for p in model.parameters() if p.requires_grad), largest, active - embed,
+                  attention, DTYPES[setup.dtype].itemsize)
+
+
+def _category(where: str) -> str:
+    if where == "gradients":
+        return "gradients"
+    if "workspace" in where and "loss" in where or where.endswith("loss"):
+        return "loss chunk"
+    if where.startswith("forward") and ("between blocks" in where or "outside" in where):
+        return "checkpoints (on device)"
+    if "attention" in where:
+        return "attention working set"
+    if "mlp" in where:
+        return "MLP working set"
+    return "other activations"
+
+
+def _trace_cp(setup: Setup) -> int:
+    if setup.strategy == "ring":
+        return min(setup.cp, RING_TRACED)
+    if setup.strategy == "usp":
+        u = setup.ulysses_size or 1
+        return u * min(setup.cp // u, 2)
+    return setup.cp
+
+
+_FITS: dict = {}  # (config, setup) -> Fit: what a process has fitted
+
+
+def fit(config, setup: Setup) -> Fit:
+    """The dry run's three traces, fitted (module docstring); once a process for each config and setup."""
+    key = (config.to_json_string(use_diff=False), setup)
+    if key not in _FITS:
+        _FITS[key] = _fit(config, setup)
+    return _FITS[key]
+
+
+def _fit(config, setup: Setup) -> Fit:
+    tile = tile_tokens(setup.tiled_mlp, config) or 0
+    n1 = 2 * max(KERNEL_TILE, DEFAULT_LOSS_CHUNK, tile)
+    n2, p = 2 * n1, layer_period(config)
+    traced = dataclasses.replace(setup, cp=_trace_cp(setup))
+    a, b, c = (trace(config, traced, p, n1), trace(config, traced, p, n2), trace(config, traced, 2 * p, n1))
+    regions = {}
+    for key in a.regions.keys() & b.regions.keys() & c.regions.keys():
+        ra, rb, rc = a.regions[key], b.regions[key], c.regions[key]
+        names = {_category(w) for r in (ra, rb, rc) for w in r.alive} - {"gradients"}
+        parts = {name: _line(*(sum(v for w, v in r.alive.items() if _category(w) == name) for r in (ra, rb, rc)),
+                             n1, n2) for name in names}
+        regions[key] = (_line(ra.act, rb.act, rc.act, n1, n2), parts, rb.grads)
+    return Fit(p, regions, _line(a.host_peak, b.host_peak, c.host_peak, n1, n2))
+
+
+def _static(params: Params, setup: Setup, shards: int, param_offload: bool, optimizer_offload: bool) -> dict:
+    wb = params.weight_bytes
+    mixed = setup.dtype != "fp32"
+    trainable = params.trainable
+    frozen = params.total - trainable
+    weights = 0 if param_offload else (frozen + trainable) * wb / shards
+    states = trainable * (ADAM_BYTES + (MASTER_BYTES if mixed else 0)) / shards
+    return {"weights": weights, "optimizer states": 0 if optimizer_offload else states,
+            "host: weights and optimizer states": (params.total * wb / shards if param_offload else 0)
+            + (states if optimizer_offload else 0)}
+
+
+def evaluate(config, setup: Setup, seq_len: int, device: Device, fitted: Fit, params: Params, sharded: bool,
+             dp: tuple, param_offload: bool, optimizer_offload: bool, name: str) -> Plan:
+    """The plan of `setup` at `seq_len` (dp: dp_shard, dp_replicate)."""
+    layers = config.num_hidden_layers
+    shards = dp[0] * setup.cp if sharded else 1
+    n = seq_len / setup.cp
+    static = _static(params, setup, shards, param_offload, optimizer_offload)
+    gathered = 2 * params.largest_layer * params.weight_bytes if sharded else 0
+    grads_total = params.trainable * params.weight_bytes / shards
+
+    def step(tokens: float) -> tuple[float, dict]:
+        parts, grads_peak = fitted.parts(tokens, layers)
+        parts = {k: v for k, v in parts.items() if v > 0}
+        grads_peak /= shards
+        at_act = fitted.act(tokens, layers) + grads_peak + gathered
+        at_end = grads_total + gathered
+        parts["gradients"] = grads_peak if at_act >= at_end else grads_total
+        if gathered:
+            parts["gathered parameter shards"] = gathered
+        return max(at_act, at_end), parts
+
+    def peak(tokens: float) -> tuple[float, dict]:
+        s, parts = step(tokens)
+        fixed = static["weights"] + static["optimizer states"] + device.overhead
+        return (fixed + s) * (1 + device.slack), parts
+
+    total, parts = peak(n)
+    step_bytes = step(n)[0]
+    breakdown = {"weights": static["weights"], "optimizer states": static["optimizer states"], **parts,
+                 "framework overhead (CUDA context, NCCL, workspaces)": device.overhead,
+                 "allocator slack": total - total / (1 + device.slack)}
+    breakdown = {k: int(v) for k, v in breakdown.items() if v}
+    unit = 2 * setup.cp
+    longest = _longest(lambda tokens: peak(tokens)[0], device.memory) * setup.cp // unit * unit
+    host = static["host: weights and optimizer states"] + fitted.host.at(n, layers / fitted.period)
+    comm = _comm(config, setup, seq_len, params, dp[0] * dp[1], sharded)
+    time_parts = _time(config, setup, seq_len, params, device, comm, fitted.host.at(n, layers / fitted.period))
+    step_time = max(time_parts["compute"], time_parts["communication"]) if setup.strategy == "ring" \
+        else time_parts["compute"] + time_parts["communication"]
+    step_time += time_parts.get("host transfers", 0.0)
+    layout = dict(cp_size=setup.cp, strategy=setup.strategy, ulysses_size=setup.ulysses_size, dp_shard=dp[0],
+                  dp_replicate=dp[1],
+                  sharded=sharded, batch_size=setup.batch, lora_rank=setup.lora_rank,
+                  gradient_checkpointing=setup.checkpointing, tiled_mlp=setup.tiled_mlp,
+                  offload_checkpoints=setup.offload_checkpoints, param_offload=param_offload,
+                  optimizer_offload=optimizer_offload, dtype=setup.dtype)
+    return Plan(name, device.name, seq_len, layout, int(total), int(step_bytes), breakdown, int(host), longest,
+                comm, step_time, time_parts, total <= device.memory, _limit(peak(2 * max(longest, unit) / setup.cp)[1],
+                                                                          setup))
+
+
+def _longest(peak, memory: int) -> int:
+    """The most tokens a rank n with peak(n) <= memory (peak grows with n: the highest of affine parts)."""
+    if peak(1) > memory:
+        return 0
+    hi = 2
+    while peak(hi) <= memory and hi < 1 << 40:
+        hi *= 2
+    lo = hi // 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak(mid) <= memory else (lo, mid)
+    return lo
+
+
+ADVICE = {
+    "checkpoints (on device)": "offload_checkpoints=True, or a larger cp",
+    "MLP working set": "tiled_mlp=True",
+    "attention working set": "a larger cp (each rank's queries and keys), or strategy='ulysses'/'usp'",
+    "loss chunk": "a smaller loss_chunk",
+    "gradients": "LoRA, or sharding over more ranks (dp_shard)",
+    "weights": "sharding over more ranks (dp_shard), or param_offload=True",
+    "optimizer states": "optimizer_offload=True, or sharding over more ranks",
+    "gathered parameter shards": "more layers (smaller ones) or tensor parallelism",
+    "other activations": "a larger cp",
+}
+
+
+def _limit(parts: dict, setup: Setup) -> str:
+    name = max(parts, key=parts.get)
+    return f"{name} ({parts[name] / GIB:.1f} GiB at twice the longest length): {ADVICE.get(name, 'a larger cp')}"
+
+
+def _comm(config, setup: Setup, seq_len: int, params: Params, dp: int, sharded: bool) -> float:
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    e = DTYPES[setup.dtype].itemsize
+    per_layer = comm_bytes(setup.strategy, setup.batch, seq_len, heads, kv, head_dim, setup.cp, setup.ulysses_size, e)
+    if setup.checkpointing:  # the recompute runs the forward's exchanges again (about a third of a layer's bytes)
+        per_layer *= 4 / 3
+    ranks = dp * setup.cp
+    grads = params.trainable * e * 2 * (ranks - 1) / ranks  # all-reduce (or reduce-scatter + the gathers below)
+    gathers = params.total * e * (ranks - 1) / ranks * (3 if setup.checkpointing else 2) if sharded else 0.0
+    return per_layer * params.attention_layers + grads + gathers
+
+
+def _time(config, setup: Setup, seq_len: int, params: Params, device: Device, comm: float, host: float) -> dict:
+    tokens = setup.batch * seq_len / setup.cp
+    full = setup.lora_rank is None
+    # forward, backward (twice a forward's with the weights' gradients), the recompute
+    passes = (3 if full else 2) + (1 if setup.checkpointing else 0)
+    matmul = 2 * params.active * tokens * passes
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    span = min(seq_len, window) if window else seq_len / 2  # keys a query sees on average (causal)
+    attention = 4 * setup.batch * seq_len * span * heads * head_dim / setup.cp * (1 + 2.5 + (1 if setup.checkpointing
+                                                                                             else 0))
+    attention *= params.attention_layers
+    out = {"compute": (matmul + attention) / device.peak_flops(setup.dtype)}
+    ring = setup.cp <= device.per_node
+    out["communication"] = comm / (device.link if ring else device.network)
+    if host:
+        out["host transfers"] = 2 * host / device.host_link
+    return out
+
+
+def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "ring", ulysses_size: int | None = None,
+         dp_shard: int = 1, dp_replicate: int = 1, tp_size: int = 1, pp_size: int = 1, batch_size: int = 1,
+         lora_rank: int | None = None, lora_targets=None, gradient_checkpointing: bool = True,
+         tiled_mlp: bool | int = False, offload_checkpoints: bool = False, param_offload: bool = False,
+         optimizer_offload: bool = False, sharded: bool | None = None, dtype: str | None = None,
+         device="h100-80gb") -> Plan:
+    """What a training step of `config` needs per rank (see docs/how-to/plan.md).
+
+    Args:
+        config: a transformers config, a config.json path, a model directory or a shipped name (hfcp plan --list).
+        seq_len: tokens a row; None: the longest that fits the device.
+        cp_size, strategy, ulysses_size, tiled_mlp, offload_checkpoints: as hfcp.patch takes them.
+        dp_shard, dp_replicate: data-parallel ranks beside the CP group (sharding over dp_shard x cp_size).
+        sharded: parameters, gradients and optimizer states sharded over dp_shard x cp_size ranks (FSDP2 /
+            ZeRO-3); None: for a full fine-tune on more than one rank, not for LoRA.
+        param_offload, optimizer_offload: FSDP2's / ZeRO-3's host offload of the weights / optimizer states.
+        dtype: "bf16" (default on GPUs), "fp16" or "fp32" (default on "cpu").
+        device: "cpu", "h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", a dict spec or a Device.
+    """
+    device = resolve_device(device)
+    dtype = dtype or ("fp32" if device.name == "cpu" else "bf16")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
+    if tp_size != 1 or pp_size != 1:
+        raise NotImplementedError(f"tp_size={tp_size}, pp_size={pp_size}: hfcp's plan does not model tensor or "
+                                  "pipeline parallelism yet (its dry run runs one CP group); plan tp_size=1, pp_size=1")
+    if cp_size < 2:
+        raise ValueError(f"cp_size={cp_size}: hfcp.patch leaves a model with one rank a group unchanged, so there is "
+                         "no hfcp step to plan; pass cp_size >= 2")
+    if seq_len is not None and seq_len % cp_size:
+        raise ValueError(f"seq_len={seq_len} must be a multiple of cp_size={cp_size}")
+    if strategy == "usp" and (ulysses_size is None or cp_size % ulysses_size):
+        raise ValueError(f"strategy='usp' needs ulysses_size dividing cp_size={cp_size} (got {ulysses_size})")
+    for name, value in (("dp_shard", dp_shard), ("dp_replicate", dp_replicate), ("batch_size", batch_size)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+    config, name = load_config(config)
+    setup = Setup(cp_size, strategy, ulysses_size, batch_size, lora_rank, tuple(lora_targets) if lora_targets else None,
+                  gradient_checkpointing, tiled_mlp, offload_checkpoints, dtype)
+    if sharded is None:
+        sharded = lora_rank is None and dp_shard * cp_size > 1
+    params = _params(config, setup)
+    fitted = fit(config, setup)
+    dp = (dp_shard, dp_replicate)
+    first = evaluate(config, setup, seq_len or 2 * cp_size, device, fitted, params, sharded, dp, param_offload,
+                     optimizer_offload, name)
+    if seq_len is not None or first.max_seq_len == 0:
+        return first
+    return evaluate(config, setup, first.max_seq_len, device, fitted, params, sharded, dp, param_offload,
+                    optimizer_offload, name)

@@ -1,0 +1,109 @@
+"""A rank's step, traced by the dry run: the model built on the meta device from its config (with as many layers as
+asked), made ready as a training run makes it (LoRA, gradient checkpointing, hfcp.patch with the plan's options),
+run forward and backward on one rank of a fake world, what it allocates counted (dry_run.Ledger)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from .dry_run import dry_step, dry_world
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a traced step depends on (the plan's arguments that change a rank's activations)."""
+    cp: int
+    strategy: str = "ring"
+    ulysses_size: int | None = None
+    batch: int = 1
+    lora_rank: int | None = None
+    lora_targets: tuple | None = None
+    checkpointing: bool = True
+    tiled_mlp: bool | int = False
+    offload_checkpoints: bool = False
+    dtype: str = "bf16"
+
+
+@dataclasses.dataclass
+class Trace:
+    layers: int
+    local_tokens: int
+    peak: int  # the device's peak above the step's start (gradients included)
+    regions: dict  # part of the step -> dry_run.Region (its activations' peak)
+    grads_end: int  # the gradients when backward is done
+    host_peak: int
+
+
+def layer_period(config) -> int:
+    """The shortest repeat of the config's layer pattern (config.layer_types: sliding / full / linear attention);
+    1 when every layer is alike."""
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return 1
+    for p in range(1, len(types) + 1):
+        if all(types[i] == types[i % p] for i in range(len(types))):
+            return p
+    return len(types)
+
+
+def reduced(config, layers: int):
+    """`config` with its first `layers` layers."""
+    config = copy.deepcopy(config)
+    types = getattr(config, "layer_types", None)
+    config.num_hidden_layers = layers
+    if types:
+        config.layer_types = list(types[:layers])
+    for name in ("mlp_only_layers",):  # (layer indices past the reduced count mean nothing)
+        if isinstance(getattr(config, name, None), list):
+            setattr(config, name, [i for i in getattr(config, name) if i < layers])
+    return config
+
+
+def build(config, setup: Setup):
+    """The model of `config` on the meta device, as a training run of `setup` holds it before hfcp.patch."""
+    import transformers
+
+    config = copy.deepcopy(config)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPES[setup.dtype])
+        if setup.lora_rank is not None:
+            from peft import LoraConfig, get_peft_model
+
+            targets = list(setup.lora_targets) if setup.lora_targets else None
+            try:
+                lora = LoraConfig(r=setup.lora_rank, target_modules=targets)
+                model = get_peft_model(model, lora)
+            except ValueError:  # (no default targets for this model type in PEFT: every linear layer)
+                model = get_peft_model(model, LoraConfig(r=setup.lora_rank, target_modules="all-linear"))
+    if setup.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def trace(config, setup: Setup, layers: int, local_tokens: int) -> Trace:
+    """One rank's training step of `config` cut to `layers` layers, with `local_tokens` tokens a rank (the sequence
+    is local_tokens x cp), on a fake world of cp ranks."""
+    from ..api import patch
+
+    seq_len = local_tokens * setup.cp
+    config = reduced(config, layers)
+    if getattr(config, "max_position_embeddings", seq_len) < seq_len:
+        config.max_position_embeddings = seq_len
+    with dry_world(setup.cp):
+        model = build(config, setup)
+        patch(model, strategy=setup.strategy, ulysses_size=setup.ulysses_size, check_inputs=False,
+                   tiled_mlp=setup.tiled_mlp, offload_checkpoints=setup.offload_checkpoints)
+        ids = torch.randint(0, config.vocab_size, (setup.batch, seq_len), generator=torch.Generator().manual_seed(0))
+        with dry_step(model) as ledger:
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+            ledger.phase = "backward"
+            out.loss.backward()
+            del out
+        grads_end = ledger.grads
+    return Trace(layers, local_tokens, ledger.peak, ledger.regions, grads_end, ledger.host_peak)

@@ -1,0 +1,54 @@
+"""A training step's memory measured as bench/reach.py measures it, for any config and any of hfcp.plan's options:
+on every rank of a gloo group (a DistPool task, or a torchrun worker), the model built from the config on the CPU
+in fp32, made ready as a training run makes it (LoRA, gradient checkpointing, hfcp.patch), one warm-up step, then
+the peak RSS growth of each step from a model at rest with no gradients (glibc's mmap threshold fixed), the worst
+rank's. What tests/planning holds hfcp.plan(..., device="cpu") to."""
+from __future__ import annotations
+
+import torch
+
+from .memory import PeakRSS, fix_mmap_threshold
+
+
+def measure_steps(config_dict: dict, seq_lens: list[int], strategy: str = "ring", ulysses_size: int | None = None,
+                  lora_rank: int | None = None, lora_targets=None, checkpointing: bool = True,
+                  tiled_mlp: bool | int = False, offload_checkpoints: bool = False) -> list[int]:
+    """The worst rank's peak RSS growth (bytes) of a step at each length of `seq_lens` (one warm-up step at the
+    first), on the calling group's ranks."""
+    import torch.distributed as dist
+    import transformers
+
+    import hfcp
+
+    fix_mmap_threshold()
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**config_dict)
+    config.max_position_embeddings = max(seq_lens + [getattr(config, "max_position_embeddings", 0) or 0])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if lora_rank is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=list(lora_targets or []) or None))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    hfcp.patch(model, strategy=strategy, ulysses_size=ulysses_size, check_inputs=False, tiled_mlp=tiled_mlp,
+               offload_checkpoints=offload_checkpoints)
+
+    def step(seq_len: int) -> None:
+        ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+
+    step(seq_lens[0])
+    worst = []
+    for seq_len in seq_lens:
+        model.zero_grad(set_to_none=True)
+        with PeakRSS(torch.device("cpu")) as mem:
+            step(seq_len)
+        growth = [None] * dist.get_world_size()
+        dist.all_gather_object(growth, mem.growth)
+        worst.append(max(growth))
+    model.zero_grad(set_to_none=True)
+    hfcp.unpatch(model)
+    return worst

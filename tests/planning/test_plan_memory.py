@@ -1,0 +1,55 @@
+"""hfcp.plan(..., device="cpu")'s step_bytes against the measured peak RSS growth of the same step (the worst rank's,
+measured as bench/reach.py measures it: hfcp.testing.step_memory), at 8K and 16K tokens, for configurations that
+cover a GQA Llama, an MHA family, a mixture of experts, a hybrid with a recurrent mixer, a sliding-window family and
+a VLM's language model; cp 2 and 4; ring and Ulysses; LoRA and full fine-tune; tiled_mlp on and off; checkpointing
+on and off. The models are as transformers builds them from these configs; their attention is narrow (head_dim
+16) so that a 16K-token step takes seconds on a CPU, their widths are what the plan counts."""
+from __future__ import annotations
+
+import pytest
+
+import hfcp
+from hfcp.testing.step_memory import measure_steps
+
+LENGTHS = [8192, 16384]
+TOLERANCE = 0.10
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+             vocab_size=2048)
+
+CASES = {
+    # name: (config, cp, plan options)
+    "llama_gqa_ring_lora_tiled": (dict(SMALL, model_type="llama", num_key_value_heads=2), 2,
+                                  dict(lora_rank=8, lora_targets=ATTN, tiled_mlp=True)),
+    "llama_cp4_ring_lora_no_checkpointing": (dict(SMALL, model_type="llama", num_key_value_heads=2), 4,
+                                             dict(lora_rank=8, lora_targets=ATTN, gradient_checkpointing=False)),
+    "llama_cp4_ulysses_full_tiled": (dict(SMALL, model_type="llama", num_key_value_heads=4), 4,
+                                     dict(strategy="ulysses", tiled_mlp=True)),
+    "gpt_neox_mha_ulysses_full": (dict(model_type="gpt_neox", hidden_size=256, intermediate_size=768,
+                                       num_hidden_layers=2, num_attention_heads=16, vocab_size=2048), 2,
+                                  dict(strategy="ulysses")),
+    "qwen3_moe_ring_lora_tiled": (dict(SMALL, model_type="qwen3_moe", num_key_value_heads=2, num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=256), 2,
+                                  dict(lora_rank=8, lora_targets=ATTN, tiled_mlp=True)),
+    "mistral_sliding_window_ring_lora": (dict(SMALL, model_type="mistral", num_key_value_heads=2, sliding_window=2048),
+                                         2, dict(lora_rank=8, lora_targets=ATTN)),
+    "qwen2_vl_language_model_ring_full": (dict(SMALL, model_type="qwen2", num_key_value_heads=2), 2, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_step_bytes_match_the_measured_step(name, request):
+    config, cp, options = CASES[name]
+    pool = request.getfixturevalue(f"pool{cp}")
+    task = pool.submit(measure_steps, config, LENGTHS, options.get("strategy", "ring"), None,
+                       options.get("lora_rank"), options.get("lora_targets"),
+                       options.get("gradient_checkpointing", True), options.get("tiled_mlp", False))
+    import transformers
+
+    plans = [hfcp.plan(transformers.AutoConfig.for_model(**config), seq_len=n, cp_size=cp, device="cpu", sharded=False,
+                       **options) for n in LENGTHS]  # (the measured runs hold whole models: no FSDP)
+    measured = task.result(timeout=600)[0]
+    for n, p, m in zip(LENGTHS, plans, measured):
+        print(f"{name} {n}: plan {p.step_bytes / 2**20:.1f} MB, measured {m / 2**20:.1f} MB")
+    for n, p, m in zip(LENGTHS, plans, measured):
+        assert abs(p.step_bytes - m) <= TOLERANCE * m, (name, n, p.step_bytes, m)
