@@ -51,12 +51,13 @@ def layer_period(config) -> int:
 
 
 def reduced(config, layers: int):
-    """`config` with its first `layers` layers."""
+    """`config` with `layers` layers, its layer pattern repeated."""
+    period = layer_period(config)
     config = copy.deepcopy(config)
     types = getattr(config, "layer_types", None)
     config.num_hidden_layers = layers
     if types:
-        config.layer_types = list(types[:layers])
+        config.layer_types = [types[i % period] for i in range(layers)]
     for name in ("mlp_only_layers",):  # (layer indices past the reduced count mean nothing)
         if isinstance(getattr(config, name, None), list):
             setattr(config, name, [i for i in getattr(config, name) if i < layers])

@@ -1,6 +1,6 @@
 """Memory measured as hfcp's benchmarks and tests measure it: the peak resident memory growth of a block of work
-(CPU: sampled every millisecond, with glibc's mmap threshold fixed so that RSS tracks live tensors; CUDA: the
-allocator's peak), the worst rank's being the figure reported."""
+(CPU: the kernel's peak RSS of the process, reset at the block's start, with glibc's mmap threshold fixed so that
+RSS tracks live tensors; CUDA: the allocator's peak), the worst rank's being the figure reported."""
 from __future__ import annotations
 
 import gc
@@ -37,8 +37,30 @@ def trim_heap() -> None:
         libc.malloc_trim(0)
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's record of this process's peak RSS (VmHWM; Linux 4.0+: clear_refs "5"). False where that
+    cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _status_kib("VmHWM:")
+        return True
+    except OSError:
+        return False
+
+
 class PeakRSS:
-    """Peak resident memory growth during a block (CPU), sampled every 1 ms; CUDA: max_memory_allocated."""
+    """Peak resident memory growth during a block. CPU: the kernel's own peak (VmHWM, reset at the start: every page
+    counted, no sampling), or where that cannot be reset, RSS sampled every 1 ms by a thread; CUDA:
+    max_memory_allocated."""
 
     def __init__(self, device):
         self.device = device
@@ -58,6 +80,10 @@ class PeakRSS:
             self.base = torch.cuda.memory_allocated()
             return self
         self.base = self.peak = self._rss()
+        self.kernel_peak = _reset_peak()
+        if self.kernel_peak:
+            self.base = _status_kib("VmRSS:") * 1024
+            return self
         self.running = True
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
@@ -72,6 +98,8 @@ class PeakRSS:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             self.growth = torch.cuda.max_memory_allocated() - self.base
+        elif self.kernel_peak:
+            self.growth = _status_kib("VmHWM:") * 1024 - self.base
         else:
             self.running = False
             self.thread.join()

@@ -13,8 +13,9 @@ from .memory import PeakRSS, fix_mmap_threshold
 def measure_steps(config_dict: dict, seq_lens: list[int], strategy: str = "ring", ulysses_size: int | None = None,
                   lora_rank: int | None = None, lora_targets=None, checkpointing: bool = True,
                   tiled_mlp: bool | int = False, offload_checkpoints: bool = False) -> list[int]:
-    """The worst rank's peak RSS growth (bytes) of a step at each length of `seq_lens` (one warm-up step at the
-    first), on the calling group's ranks."""
+    """The worst rank's peak RSS growth (bytes) of a step at each length of `seq_lens` (after one warm-up step at
+    the first: what a first step allocates once, the host's heap grown for that length's small tensors included, is
+    not a step's), on the calling group's ranks."""
     import torch.distributed as dist
     import transformers
 

@@ -2,8 +2,8 @@
 measured as bench/reach.py measures it: hfcp.testing.step_memory), at 8K and 16K tokens, for configurations that
 cover a GQA Llama, an MHA family, a mixture of experts, a hybrid with a recurrent mixer, a sliding-window family and
 a VLM's language model; cp 2 and 4; ring and Ulysses; LoRA and full fine-tune; tiled_mlp on and off; checkpointing
-on and off. The models are as transformers builds them from these configs; their attention is narrow (head_dim
-16) so that a 16K-token step takes seconds on a CPU, their widths are what the plan counts."""
+on and off. The models are as transformers builds them from these configs; their attention is narrow (two heads
+of 16) so that a 16K-token step takes seconds on a CPU, their widths are what the plan counts."""
 from __future__ import annotations
 
 import pytest
@@ -14,26 +14,33 @@ from hfcp.testing.step_memory import measure_steps
 LENGTHS = [8192, 16384]
 TOLERANCE = 0.10
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
-SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
              vocab_size=2048)
 
 CASES = {
     # name: (config, cp, plan options)
-    "llama_gqa_ring_lora_tiled": (dict(SMALL, model_type="llama", num_key_value_heads=2), 2,
-                                  dict(lora_rank=8, lora_targets=ATTN, tiled_mlp=True)),
-    "llama_cp4_ring_lora_no_checkpointing": (dict(SMALL, model_type="llama", num_key_value_heads=2), 4,
+    "llama_gqa_ring_lora_tiled": (dict(SMALL, model_type="llama", num_key_value_heads=1), 2,
+                                  dict(lora_rank=8, lora_targets=ATTN, tiled_mlp=1024)),
+    "qwen3_next_hybrid_ring_lora": (dict(SMALL, model_type="qwen3_next", num_key_value_heads=1,
+                                         layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+                                         linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
+                                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                                         shared_expert_intermediate_size=128), 2,
+                                    dict(lora_rank=8, lora_targets=ATTN)),
+    "llama_cp4_ring_lora_no_checkpointing": (dict(SMALL, model_type="llama", num_key_value_heads=1), 4,
                                              dict(lora_rank=8, lora_targets=ATTN, gradient_checkpointing=False)),
-    "llama_cp4_ulysses_full_tiled": (dict(SMALL, model_type="llama", num_key_value_heads=4), 4,
-                                     dict(strategy="ulysses", tiled_mlp=True)),
-    "gpt_neox_mha_ulysses_full": (dict(model_type="gpt_neox", hidden_size=256, intermediate_size=768,
-                                       num_hidden_layers=2, num_attention_heads=16, vocab_size=2048), 2,
+    "llama_cp4_ulysses_full_tiled": (dict(SMALL, model_type="llama", num_attention_heads=4, num_key_value_heads=4,
+                                          head_dim=8), 4,
+                                     dict(strategy="ulysses", tiled_mlp=1024)),
+    "gpt_neox_mha_ulysses_full": (dict(model_type="gpt_neox", hidden_size=128, intermediate_size=1024,
+                                       num_hidden_layers=2, num_attention_heads=4, vocab_size=2048), 2,
                                   dict(strategy="ulysses")),
-    "qwen3_moe_ring_lora_tiled": (dict(SMALL, model_type="qwen3_moe", num_key_value_heads=2, num_experts=4,
+    "qwen3_moe_ring_lora_tiled": (dict(SMALL, model_type="qwen3_moe", num_key_value_heads=1, num_experts=4,
                                        num_experts_per_tok=2, moe_intermediate_size=256), 2,
                                   dict(lora_rank=8, lora_targets=ATTN, tiled_mlp=True)),
-    "mistral_sliding_window_ring_lora": (dict(SMALL, model_type="mistral", num_key_value_heads=2, sliding_window=2048),
+    "mistral_sliding_window_ring_lora": (dict(SMALL, model_type="mistral", num_key_value_heads=1, sliding_window=2048),
                                          2, dict(lora_rank=8, lora_targets=ATTN)),
-    "qwen2_vl_language_model_ring_full": (dict(SMALL, model_type="qwen2", num_key_value_heads=2), 2, {}),
+    "qwen2_vl_language_model_ring_full": (dict(SMALL, model_type="qwen2", num_key_value_heads=1), 2, {}),
 }
 
 
