@@ -1,4 +1,4 @@
-"""The `hfcp` console command. `hfcp verify ...`: see hfcp.commands.verify."""
+"""The `hfcp` console command. `hfcp verify ...`: see hfcp.commands.verify; `hfcp plan ...`: hfcp.commands.plan."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +23,12 @@ def main(argv=None) -> int:
                    help="a model_type's tiny model with the family's class of that head (a checkpoint: its own class, "
                         "which must be of it); default: the causal LM")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
+    from .plan import add_parser, run
+
+    add_parser(sub)
     args = ap.parse_args(argv)
+    if args.command == "plan":
+        return run(args, ap.error)
     if args.seq_len < 2 or args.cp_size < 2:
         ap.error(f"--seq-len {args.seq_len} must be at least 2 and --cp-size {args.cp_size} at least 2")
 

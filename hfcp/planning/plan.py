@@ -1,8 +1,8 @@
 """hfcp.plan: the memory one rank needs for a training step of a model at a length and layout, the longest length
 that fits a device, the bytes a rank sends and a roofline estimate of the step's time.
 
-The activations come from hfcp's own step, dry-run (dry_run.py, trace.py): three traces of the model cut to one
-and two periods of its layer pattern, at two lengths a rank, give a per-token cost of a layer's working set, a
+The activations come from hfcp's own step, dry-run (dry_run.py, trace.py): three traces of the model cut to two
+and three periods of its layer pattern, at two lengths a rank, give a per-token cost of a layer's working set, a
 per-token per-layer cost of what the layers keep (the checkpoints) and the fixed parts (the loss chunk, a tile, an
 attention kernel's piece): every count is what the code allocates, so a change to the code that changes memory
 changes the plan. Everything a rank holds besides (weights, gradients, optimizer states, gathered shards) is
@@ -39,19 +39,23 @@ class Params:
     weight_bytes: int  # bytes an element of the weights
 
 
+BASE_PERIODS = 2  # the traces' layer counts: 2 and 3 periods of the pattern (the first layer reads the embedding's
+# output, not a layer's: what one more layer adds is measured past it)
+
+
 @dataclasses.dataclass
 class Line:
-    """bytes = base + per_token x n + (L / period - 1) x per_token_period x n, for n tokens a rank and L layers."""
+    """bytes = base + per_token x n + (L / period - 2) x per_token_period x n, for n tokens a rank and L layers."""
     base: float
     per_token: float
     per_token_period: float
 
     def at(self, n: float, periods: float) -> float:
-        return self.base + self.per_token * n + (periods - 1) * self.per_token_period * n
+        return self.base + self.per_token * n + (periods - BASE_PERIODS) * self.per_token_period * n
 
 
 def _line(a: float, b: float, c: float, n1: int, n2: int) -> Line:
-    """The Line through a = (one period, n1), b = (one period, n2), c = (two periods, n1)."""
+    """The Line through a = (two periods, n1), b = (two periods, n2), c = (three periods, n1)."""
     slope = (b - a) / (n2 - n1)
     return Line(a - slope * n1, slope, (c - a) / n1)
 
@@ -174,7 +178,8 @@ def _fit(config, setup: Setup) -> Fit:
     n1 = 2 * max(KERNEL_TILE, DEFAULT_LOSS_CHUNK, tile)
     n2, p = 2 * n1, layer_period(config)
     traced = dataclasses.replace(setup, cp=_trace_cp(setup))
-    a, b, c = (trace(config, traced, p, n1), trace(config, traced, p, n2), trace(config, traced, 2 * p, n1))
+    k = BASE_PERIODS * p
+    a, b, c = (trace(config, traced, k, n1), trace(config, traced, k, n2), trace(config, traced, k + p, n1))
     regions = {}
     for key in a.regions.keys() & b.regions.keys() & c.regions.keys():
         ra, rb, rc = a.regions[key], b.regions[key], c.regions[key]
@@ -367,3 +372,55 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
         return first
     return evaluate(config, setup, first.max_seq_len, device, fitted, params, sharded, dp, param_offload,
                     optimizer_offload, name)
+
+
+def _head_counts(config) -> tuple[int, int]:
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def layouts(config, gpus: int) -> list[dict]:
+    """The CP layouts of `gpus` ranks hfcp can run for `config`: every cp dividing gpus (the rest data-parallel),
+    ring; ulysses where both head counts divide by cp; usp with the largest Ulysses group that divides both."""
+    heads, kv = _head_counts(config)
+    out = []
+    for cp in [c for c in range(2, gpus + 1) if gpus % c == 0]:
+        out.append(dict(cp_size=cp, strategy="ring", dp_shard=gpus // cp))
+        if heads % cp == 0 and kv % cp == 0:
+            out.append(dict(cp_size=cp, strategy="ulysses", dp_shard=gpus // cp))
+        u = max(d for d in range(1, cp + 1) if cp % d == 0 and heads % d == 0 and kv % d == 0)
+        if 1 < u < cp:
+            out.append(dict(cp_size=cp, strategy="usp", ulysses_size=u, dp_shard=gpus // cp))
+    return out
+
+
+OPTIONS = (dict(), dict(tiled_mlp=True), dict(tiled_mlp=True, offload_checkpoints=True))
+
+
+def search(config, gpus: int, seq_len: int | None = None, top: int = 10, **kwargs) -> list[Plan]:
+    """hfcp's layouts and memory options on `gpus` ranks (layouts(): cp, strategy, dp; tiled_mlp and
+    offload_checkpoints off, tiled, both), each planned (plan's keyword arguments in kwargs): with a target
+    seq_len, those that fit, fastest first (the roofline estimate); without, the longest max_seq_len first."""
+    config, _ = load_config(config)
+    plans = []
+    for layout in layouts(config, gpus):
+        for options in OPTIONS:
+            plans.append(plan(config, seq_len=seq_len, **{**kwargs, **layout, **options}))
+    if seq_len is not None:
+        plans = sorted((p for p in plans if p.fits), key=lambda p: p.step_time_s)
+    else:
+        plans.sort(key=lambda p: -p.max_seq_len)
+    return plans[:top]
+
+
+def table(plans: list[Plan]) -> str:
+    """One line a plan: the layout, the peak, the longest length, the estimated step time."""
+    rows = [f"{'layout':62s} {'peak GiB':>9s} {'longest':>12s} {'step s':>8s}"]
+    for p in plans:
+        lay = p.layout
+        name = f"cp {lay['cp_size']} {lay['strategy']}" + (f" (ulysses {lay['ulysses_size']})" if lay["ulysses_size"]
+                                                             else "") + f", dp {lay['dp_shard']}"
+        name += "".join(f", {k}" for k in ("tiled_mlp", "offload_checkpoints", "param_offload", "optimizer_offload")
+                        if lay.get(k))
+        rows.append(f"{name:62s} {p.peak_bytes / GIB:9.1f} {p.max_seq_len:12,d} {p.step_time_s:8.2f}")
+    return "\n".join(rows)
