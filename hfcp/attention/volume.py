@@ -7,39 +7,42 @@ FP32 = 4
 
 
 def comm_bytes(strategy: str, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, cp: int,
-               ulysses_size: int | None = None, dtype_bytes: int = 2) -> float:
+               ulysses_size: int | None = None, dtype_bytes: int = 2, recompute: bool = False) -> float:
     """Per-rank bytes sent by one attention layer in one training step.
 
     Args:
         strategy: "ring", "allgather", "ulysses" or "usp" (with ulysses_size, 1 <= u <= cp).
         dtype_bytes: bytes of an activation element (2 for bf16).
+        recompute: the layer is checkpointed: its forward, exchanges included, runs again in backward.
     """
     kv = batch * kv_heads * (seq_len / cp) * head_dim  # elements of one local K (or V) block
     tokens = batch * (seq_len / cp) * head_dim  # elements per head of the local slice
+    again = 1 if recompute else 0
     if strategy == "ring":
-        return _ring(kv, cp, dtype_bytes)
-    if strategy == "allgather":
-        return (cp - 1) * 2 * kv * dtype_bytes * 2 + (cp - 1) * 2 * kv * FP32  # gather, re-gather; reduce-scatter
+        return _ring(kv, cp, dtype_bytes, again)
+    if strategy == "allgather":  # gather (again in the recompute), re-gather; reduce-scatter
+        return (cp - 1) * 2 * kv * dtype_bytes * (2 + again) + (cp - 1) * 2 * kv * FP32
     if strategy == "ulysses":
-        return _ulysses(tokens, heads, kv_heads, cp, dtype_bytes)
+        return _ulysses(tokens, heads, kv_heads, cp, dtype_bytes, again)
     if strategy == "usp":
         u = ulysses_size or 1
         # the all-to-all runs among u ranks on the local slice; the ring moves Ulysses-group blocks of
         # (kv_heads / u) heads x (u * L / cp) tokens: as many elements as a ring block
-        return _ulysses(tokens, heads, kv_heads, u, dtype_bytes) + _ring(kv, cp // u, dtype_bytes)
+        return _ulysses(tokens, heads, kv_heads, u, dtype_bytes, again) + _ring(kv, cp // u, dtype_bytes, again)
     raise ValueError(f"strategy={strategy!r} is not one of ['allgather', 'ring', 'ulysses', 'usp']")
 
 
-def _ring(kv: float, ring: int, e: int) -> float:
+def _ring(kv: float, ring: int, e: int, again: int = 0) -> float:
     if ring == 1:
         return 0.0
-    return (ring - 1) * 2 * kv * e * 2 + ring * 2 * kv * FP32  # K/V forward and backward; dK/dV travel home
+    # K/V forward (again in the recompute) and backward; dK/dV travel home
+    return (ring - 1) * 2 * kv * e * (2 + again) + ring * 2 * kv * FP32
 
 
-def _ulysses(tokens: float, heads: int, kv_heads: int, u: int, e: int) -> float:
+def _ulysses(tokens: float, heads: int, kv_heads: int, u: int, e: int, again: int = 0) -> float:
     share = (u - 1) / u  # what leaves the rank in an all-to-all
     qkv, out = (heads + 2 * kv_heads) * tokens, heads * tokens
-    return share * (qkv + out) * e * 2  # q/k/v and the output forward; dout and dq/dk/dv backward
+    return share * (qkv + out) * e * (2 + again)  # q/k/v and the output forward (again); dout and dq/dk/dv backward
 
 
 def _runs(zigzag: bool) -> int:

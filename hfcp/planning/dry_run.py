@@ -39,6 +39,12 @@ _aten = torch.ops.aten
 WORKSPACES = {
     _aten.logsumexp.default: lambda x, *_: x.numel() * x.element_size(),
 }
+# and the CPU's kernels only: torch._grouped_mm (transformers' mixtures of experts) copies a weight given transposed
+# into a contiguous one (measured: the growth of one call is its output plus the weight)
+CPU_WORKSPACES = {
+    **WORKSPACES,
+    _aten._grouped_mm.default: lambda a, b, *_, **__: 0 if b.is_contiguous() else b.numel() * b.element_size(),
+}
 
 
 def _grouped_mm_any_dtype(func, a, b, *args, **kwargs):
@@ -98,6 +104,8 @@ class Ledger:
     grads: int = 0
     host: int = 0
     host_peak: int = 0
+    sent: float = 0.0  # bytes this rank sends (collectives counted as NCCL's ring algorithms move them)
+    collectives: dict = dataclasses.field(default_factory=dict)  # c10d operator -> calls
     phase: str = "forward"
     where: str = "outside the model"
     regions: dict = dataclasses.field(default_factory=dict)
@@ -147,6 +155,22 @@ class Ledger:
             if extra:
                 region.alive[f"{key} workspace"] = extra
 
+    def collective(self, func, args) -> None:
+        name = func.__name__.split(".")[0]
+        self.collectives[name] = self.collectives.get(name, 0) + 1
+        group = next((_group_size(a) for a in args if isinstance(a, torch.ScriptObject)), 1)
+        share = (group - 1) / group if group > 1 else 0.0
+        if name == "send":
+            self.sent += sum(_nbytes(t) for t in args[0])
+        elif name == "alltoall_base_":
+            self.sent += _nbytes(args[1]) * share
+        elif name in ("allgather_", "allgather_into_tensor_coalesced", "_allgather_base_"):
+            self.sent += _nbytes(args[1]) * (group - 1)
+        elif name in ("allreduce_",):
+            self.sent += 2 * share * sum(_nbytes(t) for t in args[0])
+        elif name in ("reduce_scatter_tensor_coalesced", "_reduce_scatter_base_"):
+            self.sent += _nbytes(args[1]) * share
+
     def _free(self, entry: list) -> None:
         if entry[2]:
             self.host -= entry[1]
@@ -155,6 +179,18 @@ class Ledger:
         self.alive[entry[0]] -= entry[1]
         if entry[0] == "gradients":
             self.grads -= entry[1]
+
+
+def _group_size(script_object) -> int:
+    from torch._C._distributed_c10d import ProcessGroup
+
+    return ProcessGroup.unbox(script_object).size()
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def _caller() -> str:
@@ -186,9 +222,9 @@ def _is_meta(x) -> bool:
 
 
 class _DryMode(TorchDispatchMode):
-    def __init__(self, ledger: Ledger):
+    def __init__(self, ledger: Ledger, kernels: str):
         super().__init__()
-        self.ledger = ledger
+        self.ledger, self.workspaces = ledger, CPU_WORKSPACES if kernels == "cpu" else WORKSPACES
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -203,6 +239,8 @@ class _DryMode(TorchDispatchMode):
                 kwargs = dict(kwargs, device=args[0].device)  # (host data stays readable)
             elif target is not None and target.type != "meta" and args[0].is_meta:
                 kwargs, to_host = dict(kwargs, device=META), True  # (offloaded: counted as host memory)
+        if func.namespace == "c10d":
+            self.ledger.collective(func, args)
         fix = META_FIXES.get(func)
         if fix is not None and _is_meta(args[0]):
             out = fix(func, *args, **kwargs)
@@ -221,16 +259,17 @@ class _DryMode(TorchDispatchMode):
         for t in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
             if _is_meta(t):
                 self.ledger.note(t, host=to_host)
-        workspace = WORKSPACES.get(func)
+        workspace = self.workspaces.get(func)
         if workspace is not None and _is_meta(args[0]):
-            self.ledger.transient(workspace(*args))
+            self.ledger.transient(workspace(*args, **kwargs))
         return out
 
 
 @contextlib.contextmanager
-def dry_step(model: torch.nn.Module):
+def dry_step(model: torch.nn.Module, kernels: str = "cuda"):
     """Inside: the model's (meta) forward and backward run as a rank's would, counted in the yielded Ledger;
-    decoder blocks name the part of the step they allocate in."""
+    decoder blocks name the part of the step they allocate in. kernels: "cuda" or "cpu", whose operators'
+    workspaces are counted (WORKSPACES, CPU_WORKSPACES)."""
     ledger = Ledger()
     for t in [*model.parameters(), *model.buffers()]:  # (made before the step: not the step's)
         ledger._seen[t.untyped_storage()] = ["before the step", 0, False]
@@ -250,7 +289,7 @@ def dry_step(model: torch.nn.Module):
     handles += [p.register_post_accumulate_grad_hook(lambda p: ledger.tag_gradient(p.grad))
                 for p in model.parameters() if p.requires_grad]
     try:
-        with _DryMode(ledger):
+        with _DryMode(ledger, kernels):
             yield ledger
     finally:
         for h in handles:

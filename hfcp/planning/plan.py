@@ -290,9 +290,8 @@ def _comm(config, setup: Setup, seq_len: int, params: Params, dp: int, sharded: 
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     e = DTYPES[setup.dtype].itemsize
-    per_layer = comm_bytes(setup.strategy, setup.batch, seq_len, heads, kv, head_dim, setup.cp, setup.ulysses_size, e)
-    if setup.checkpointing:  # the recompute runs the forward's exchanges again (about a third of a layer's bytes)
-        per_layer *= 4 / 3
+    per_layer = comm_bytes(setup.strategy, setup.batch, seq_len, heads, kv, head_dim, setup.cp, setup.ulysses_size, e,
+                           recompute=setup.checkpointing)
     ranks = dp * setup.cp
     grads = params.trainable * e * 2 * (ranks - 1) / ranks  # all-reduce (or reduce-scatter + the gathers below)
     gathers = params.total * e * (ranks - 1) / ranks * (3 if setup.checkpointing else 2) if sharded else 0.0
@@ -360,7 +359,8 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
             raise ValueError(f"{name}={value} must be at least 1")
     config, name = load_config(config)
     setup = Setup(cp_size, strategy, ulysses_size, batch_size, lora_rank, tuple(lora_targets) if lora_targets else None,
-                  gradient_checkpointing, tiled_mlp, offload_checkpoints, dtype)
+                  gradient_checkpointing, tiled_mlp, offload_checkpoints, dtype,
+                  "cpu" if device.name == "cpu" else "cuda")
     if sharded is None:
         sharded = lora_rank is None and dp_shard * cp_size > 1
     params = _params(config, setup)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 
 import torch
 
@@ -26,6 +27,7 @@ class Setup:
     tiled_mlp: bool | int = False
     offload_checkpoints: bool = False
     dtype: str = "bf16"
+    kernels: str = "cuda"  # whose operators' workspaces count ("cpu" for a CPU plan)
 
 
 @dataclasses.dataclass
@@ -36,6 +38,9 @@ class Trace:
     regions: dict  # part of the step -> dry_run.Region (its activations' peak)
     grads_end: int  # the gradients when backward is done
     host_peak: int
+    sent: float  # bytes the rank sent (dry_run.Ledger.collective)
+    collectives: dict
+    seconds: float
 
 
 def layer_period(config) -> int:
@@ -92,6 +97,7 @@ def trace(config, setup: Setup, layers: int, local_tokens: int) -> Trace:
     is local_tokens x cp), on a fake world of cp ranks."""
     from ..api import patch
 
+    started = time.perf_counter()
     seq_len = local_tokens * setup.cp
     config = reduced(config, layers)
     if getattr(config, "max_position_embeddings", seq_len) < seq_len:
@@ -101,10 +107,29 @@ def trace(config, setup: Setup, layers: int, local_tokens: int) -> Trace:
         patch(model, strategy=setup.strategy, ulysses_size=setup.ulysses_size, check_inputs=False,
                    tiled_mlp=setup.tiled_mlp, offload_checkpoints=setup.offload_checkpoints)
         ids = torch.randint(0, config.vocab_size, (setup.batch, seq_len), generator=torch.Generator().manual_seed(0))
-        with dry_step(model) as ledger:
+        with dry_step(model, setup.kernels) as ledger:
             out = model(input_ids=ids, labels=ids, use_cache=False)
             ledger.phase = "backward"
             out.loss.backward()
             del out
         grads_end = ledger.grads
-    return Trace(layers, local_tokens, ledger.peak, ledger.regions, grads_end, ledger.host_peak)
+    return Trace(layers, local_tokens, ledger.peak, ledger.regions, grads_end, ledger.host_peak, ledger.sent,
+                 ledger.collectives, time.perf_counter() - started)
+
+
+def dry_run(config, seq_len: int, cp_size: int, strategy: str = "ring", ulysses_size: int | None = None,
+            layers: int | None = 2, batch_size: int = 1, lora_rank: int | None = None, lora_targets=None,
+            gradient_checkpointing: bool = True, tiled_mlp: bool | int = False, offload_checkpoints: bool = False,
+            dtype: str = "bf16") -> Trace:
+    """hfcp's training step of `config` at `seq_len` tokens on one rank of a fake world of cp_size ranks, every
+    layout computation, mask, index and collective as a real run has them, the tensors on the meta device (see
+    dry_run.py); the model cut to `layers` layers (None: all of them; a layer's step is each layer's). Returns the
+    Trace: the device's peak, the host's, the bytes sent, the collectives called, the seconds it took."""
+    from .configs import load_config
+
+    config, _ = load_config(config)
+    if seq_len % cp_size:
+        raise ValueError(f"seq_len={seq_len} must be a multiple of cp_size={cp_size}")
+    setup = Setup(cp_size, strategy, ulysses_size, batch_size, lora_rank, tuple(lora_targets) if lora_targets else None,
+                  gradient_checkpointing, tiled_mlp, offload_checkpoints, dtype)
+    return trace(config, setup, layers or config.num_hidden_layers, seq_len // cp_size)
