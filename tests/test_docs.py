@@ -37,6 +37,8 @@ OTHER_PUBLIC = [
     "hfcp.attention.volume.scalar_fold_bytes",
     "hfcp.attention.volume.channel_fold_bytes",
     "hfcp.attention.mesh_volume.layout_bytes",
+    "hfcp.planning.search",
+    "hfcp.planning.dry_run",
 ]
 
 

@@ -2,7 +2,6 @@
 many GPUs ranked (hfcp.planning.search)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 

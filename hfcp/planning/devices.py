@@ -31,6 +31,10 @@ class Device:
     overhead: int = 2 * GIB
     slack: float = 0.05
 
+    @property
+    def is_cpu(self) -> bool:
+        return self.name.split()[0] == "cpu"
+
     def peak_flops(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops.get("fp32"))
 

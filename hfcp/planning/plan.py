@@ -162,22 +162,24 @@ def _trace_cp(setup: Setup) -> int:
     return setup.cp
 
 
-_FITS: dict = {}  # (config, setup) -> Fit: what a process has fitted
+_FITS: dict = {}  # (config, traced setup) -> Fit: what a process has fitted
 
 
 def fit(config, setup: Setup) -> Fit:
-    """The dry run's three traces, fitted (module docstring); once a process for each config and setup."""
-    key = (config.to_json_string(use_diff=False), setup)
+    """The dry run's three traces, fitted (module docstring); once a process for each config and traced setup (a
+    ring's bytes a rank do not depend on the ring's size: rings of 4 and 64 share one fit)."""
+    traced = dataclasses.replace(setup, cp=_trace_cp(setup))
+    key = (config.to_json_string(use_diff=False), traced)
     if key not in _FITS:
-        _FITS[key] = _fit(config, setup)
+        _FITS[key] = _fit(config, traced)
     return _FITS[key]
 
 
-def _fit(config, setup: Setup) -> Fit:
-    tile = tile_tokens(setup.tiled_mlp, config) or 0
+def _fit(config, traced: Setup) -> Fit:
+    """The dry run's three traces of `traced`, fitted (module docstring)."""
+    tile = tile_tokens(traced.tiled_mlp, config) or 0
     n1 = 2 * max(KERNEL_TILE, DEFAULT_LOSS_CHUNK, tile)
     n2, p = 2 * n1, layer_period(config)
-    traced = dataclasses.replace(setup, cp=_trace_cp(setup))
     k = BASE_PERIODS * p
     a, b, c = (trace(config, traced, k, n1), trace(config, traced, k, n2), trace(config, traced, k + p, n1))
     regions = {}
@@ -339,7 +341,7 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
         device: "cpu", "h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", a dict spec or a Device.
     """
     device = resolve_device(device)
-    dtype = dtype or ("fp32" if device.name == "cpu" else "bf16")
+    dtype = dtype or ("fp32" if device.is_cpu else "bf16")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
     if strategy not in STRATEGIES:
@@ -360,7 +362,7 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
     config, name = load_config(config)
     setup = Setup(cp_size, strategy, ulysses_size, batch_size, lora_rank, tuple(lora_targets) if lora_targets else None,
                   gradient_checkpointing, tiled_mlp, offload_checkpoints, dtype,
-                  "cpu" if device.name == "cpu" else "cuda")
+                  "cpu" if device.is_cpu else "cuda")
     if sharded is None:
         sharded = lora_rank is None and dp_shard * cp_size > 1
     params = _params(config, setup)

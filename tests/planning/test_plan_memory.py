@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 import hfcp
+from hfcp.testing.dist_pool import DistPool
 from hfcp.testing.step_memory import measure_steps
 
 LENGTHS = [8192, 16384]
@@ -44,10 +45,20 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def measuring():
+    """Pools of their own (a measurement fixes glibc's mmap threshold for the rest of a process's life, which would
+    slow the shared pools' later tests), closed after this module."""
+    pools = {}
+    yield lambda cp: pools.setdefault(cp, DistPool(cp))
+    for pool in pools.values():
+        pool.close()
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_plan_step_bytes_match_the_measured_step(name, request):
+def test_plan_step_bytes_match_the_measured_step(name, measuring):
     config, cp, options = CASES[name]
-    pool = request.getfixturevalue(f"pool{cp}")
+    pool = measuring(cp)
     task = pool.submit(measure_steps, config, LENGTHS, options.get("strategy", "ring"), None,
                        options.get("lora_rank"), options.get("lora_targets"),
                        options.get("gradient_checkpointing", True), options.get("tiled_mlp", False))

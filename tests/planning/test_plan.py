@@ -1,0 +1,137 @@
+"""hfcp.plan and its dry run, on the meta device in this process: the dry run at world sizes no real run here reaches
+agrees with the plan's fit and sends what the communication model counts; the shipped configs, the command, the
+search and the refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+
+import hfcp
+from hfcp.attention.volume import comm_bytes
+from hfcp.commands.cli import main
+from hfcp.planning import dry_run, layouts, search
+from hfcp.planning.configs import load_config, shipped
+
+SMALL = dict(model_type="llama", hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=4,
+             vocab_size=2048, max_position_embeddings=1 << 20)
+
+
+def small(layers: int = 2, **fields):
+    return transformers.AutoConfig.for_model(**{**SMALL, "num_hidden_layers": layers, **fields})
+
+
+@pytest.mark.parametrize("strategy, ulysses_size, checkpointing", [
+    ("ring", None, True), ("ring", None, False), ("usp", 2, True), ("ulysses", None, True), ("allgather", None, True)])
+def test_the_dry_run_sends_what_the_communication_model_counts(strategy, ulysses_size, checkpointing):
+    t = dry_run(small(), 8192, 4, strategy, ulysses_size, gradient_checkpointing=checkpointing, lora_rank=8,
+                lora_targets=["q_proj"], dtype="fp32")
+    per_layer = comm_bytes(strategy, 1, 8192, 4, 4, 64, 4, ulysses_size, 4, recompute=checkpointing)
+    loss = 2 * 2 * 3 / 4 * 4  # (the loss's two scalar all-reduces)
+    assert t.sent == pytest.approx(2 * per_layer + loss, rel=1e-6), (t.sent, t.collectives)
+
+
+def test_a_dry_run_at_world_64_completes_and_agrees_with_the_plan():
+    """cp 64 (a size no test runs for real), 4 layers, 4,096 tokens a rank, LoRA, checkpointing and tiled_mlp: hfcp's
+    real step runs, and the plan (fitted from 2- and 3-layer traces on a ring of 4) gives its peak. USP and the
+    lengths of Llama-3.1-8B at cp 256: scripts/tools/dry_run.py."""
+    config, seq_len = small(4), 64 * 4096
+    options = dict(lora_rank=8, lora_targets=["q_proj", "v_proj"], tiled_mlp=True, dtype="bf16")
+    t = dry_run(config, seq_len, 64, layers=None, **options)
+    assert t.seconds < 60
+    # a layer: K and V sent each step of the forward, of the recompute and of backward, dK and dV sent home
+    assert t.collectives["send"] == 4 * 2 * (3 * 63 + 64)
+    p = hfcp.plan(config, seq_len=seq_len, cp_size=64, device={"base": "cpu", "name": "cpu"}, **options)
+    assert p.step_bytes == pytest.approx(t.peak, rel=0.02), (p.step_bytes, t.peak)
+    assert p.comm_bytes_per_step == pytest.approx(t.sent, rel=0.01), (p.comm_bytes_per_step, t.sent)
+
+
+def test_the_fit_extrapolates_in_layers_and_tokens():
+    """A plan at 8 layers and 4x the traced tokens equals the dry run of that very step (meta, one process)."""
+    config = small(8, num_key_value_heads=2)
+    t = dry_run(config, 2 * 16384, 2, layers=None, lora_rank=8, lora_targets=["q_proj"], dtype="fp32")
+    p = hfcp.plan(config, seq_len=2 * 16384, cp_size=2, lora_rank=8, lora_targets=["q_proj"], device="cpu")
+    assert p.step_bytes == pytest.approx(t.peak, rel=0.02), (p.step_bytes, t.peak)
+
+
+PUBLISHED = {"Llama-3.1-8B": 8.03e9, "Llama-3.1-70B": 70.6e9, "Qwen3-8B": 8.19e9, "Qwen3-32B": 32.8e9,
+             "Qwen3-30B-A3B": 30.5e9, "Qwen2.5-VL-7B-LM": 7.6e9}
+
+
+def test_the_shipped_configs_build_the_published_models():
+    import torch
+
+    assert sorted(PUBLISHED) == shipped()
+    for name, count in PUBLISHED.items():
+        config, label = load_config(name.lower())
+        assert label == name
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        assert sum(p.numel() for p in model.parameters()) == pytest.approx(count, rel=0.01), name
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(cp_size=1), "cp_size=1"),
+    (dict(seq_len=1001, cp_size=2), "seq_len=1001 must be a multiple of cp_size=2"),
+    (dict(strategy="zigzag"), "strategy='zigzag'"),
+    (dict(strategy="usp", cp_size=4), "needs ulysses_size dividing cp_size=4"),
+    (dict(tp_size=2), "tp_size=2"),
+    (dict(device="h100"), None),
+    (dict(device="tpu-v5"), "device='tpu-v5'"),
+    (dict(device={"memory": 3}), "device spec field 'memory'"),
+    (dict(dtype="int8"), "dtype='int8'"),
+    (dict(batch_size=0), "batch_size=0"),
+])
+def test_what_a_plan_refuses(kwargs, message):
+    if message is None:  # (an alias that resolves)
+        assert hfcp.planning.devices.resolve_device(kwargs["device"]).name == "h100-80gb"
+        return
+    with pytest.raises((ValueError, NotImplementedError)) as e:
+        hfcp.plan(small(), **kwargs)
+    assert message in str(e.value)
+
+
+def test_an_unknown_config_names_the_shipped_ones():
+    with pytest.raises(FileNotFoundError) as e:
+        hfcp.plan("Llama-9-1T")
+    assert "Llama-3.1-8B" in str(e.value)
+
+
+def test_the_command_plans_lists_and_refuses(capsys, tmp_path):
+    assert main(["plan", "--list"]) == 0
+    assert "Qwen3-30B-A3B" in capsys.readouterr().out
+    path = tmp_path / "config.json"
+    small(2).to_json_file(str(path))
+    assert main(["plan", str(path), "--cp-size", "2", "--lora-rank", "8", "--device", "a100-40gb", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["fits"] and got["max_seq_len"] > 0 and got["seq_len"] == got["max_seq_len"]
+    assert got["peak_bytes"] <= 39.4 * 2 ** 30
+    assert main(["plan", str(path), "--seq-len", str(got["max_seq_len"] * 4), "--lora-rank", "8",
+                 "--device", "a100-40gb"]) == 1  # does not fit: exit 1, the table says so
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["plan", str(path), "--cp-size", "1"]) == 2
+    assert "cp_size=1" in capsys.readouterr().err
+
+
+def test_the_search_ranks_the_layouts_and_the_options():
+    config = small(2, num_key_value_heads=2, hidden_size=1024, intermediate_size=2048)  # (tiles of 1,024 tokens)
+    assert [(x["cp_size"], x["strategy"], x.get("ulysses_size")) for x in layouts(config, 4)] == [
+        (2, "ring", None), (2, "ulysses", None), (4, "ring", None), (4, "usp", 2)]  # (4 KV heads: no ulysses at 4)
+    plans = search(config, 2, lora_rank=8, device={"base": "cpu", "memory_gib": 8})
+    longest = [p.max_seq_len for p in plans]
+    assert longest == sorted(longest, reverse=True) and len(plans) == 6
+    by = {(p.layout["strategy"], p.layout["tiled_mlp"]): p.max_seq_len for p in plans
+          if not p.layout["offload_checkpoints"]}
+    assert by[("ring", True)] > by[("ring", False)]  # tiles reach further: the MLP's working set is the limit
+
+
+def test_the_dry_run_tool_reports_each_run_and_a_failure_by_name(capsys, tmp_path):
+    import dry_run as tool  # (scripts/tools/dry_run.py)
+
+    path = tmp_path / "config.json"
+    small(2, num_key_value_heads=2).to_json_file(str(path))
+    tool.main(["--config", str(path), "--runs", "32768:8:ring", "32768:8:ulysses", "--layers", "1"])
+    ok, refused = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert ok["ok"] and ok["collectives"]["send"] == 2 * (3 * 7 + 8) and ok["peak_gib"] > 0, ok
+    assert not refused["ok"] and "not both divisible by cp_size=8" in refused["error"], refused
