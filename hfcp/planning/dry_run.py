@@ -120,7 +120,7 @@ class Ledger:
         storage = tensor.untyped_storage()
         if storage in self._seen:
             return
-        entry = self._seen[storage] = [f"{self.phase} {self.where}", storage.nbytes(), host]
+        entry = self._seen[storage] = [f"{self.phase} {self._part()}", storage.nbytes(), host]
         weakref.finalize(storage, self._free, entry)
         if host:
             self.host += entry[1]
@@ -129,6 +129,22 @@ class Ledger:
         self.live += entry[1]
         self.alive[entry[0]] = self.alive.get(entry[0], 0) + entry[1]
         self._peaks(0)
+
+    def _part(self) -> str:
+        """The part of the step at hand: the module whose forward runs (set by dry_step's hooks); in backward, which
+        runs no module hooks, the hfcp autograd function whose backward runs (attention's, the tiled MLP's, the
+        loss's), else "between blocks" (the gradients of the layers' own operators)."""
+        if self.phase != "backward":
+            return self.where
+        frame = sys._getframe(3)
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if "/hfcp/" in name and "/planning/" not in name:
+                for part, kind in BACKWARD_PARTS:
+                    if part in name:
+                        return kind
+            frame = frame.f_back
+        return self.where if self.where in ("attention", "mlp", "loss") and _in_recompute() else "between blocks"
 
     def tag_gradient(self, tensor: torch.Tensor) -> None:
         """`tensor` is a parameter's gradient."""
@@ -191,6 +207,19 @@ def _nbytes(t) -> int:
     if isinstance(t, (list, tuple)):
         return sum(_nbytes(x) for x in t)
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+BACKWARD_PARTS = (("/attention/", "attention"), ("/mixers/", "attention"), ("/memory/", "mlp"), ("/loss/", "loss"))
+
+
+def _in_recompute() -> bool:
+    """Whether a checkpointed layer's forward is being recomputed (its modules' hooks name the part then)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "recompute_fn":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _caller() -> str:

@@ -146,6 +146,8 @@ def _category(where: str) -> str:
         return "loss chunk"
     if where.startswith("forward") and ("between blocks" in where or "outside" in where):
         return "checkpoints (on device)"
+    if where.startswith("backward") and "between blocks" in where:
+        return "activation gradients"
     if "attention" in where:
         return "attention working set"
     if "mlp" in where:
@@ -279,12 +281,19 @@ ADVICE = {
     "optimizer states": "optimizer_offload=True, or sharding over more ranks",
     "gathered parameter shards": "more layers (smaller ones) or tensor parallelism",
     "other activations": "a larger cp",
+    "activation gradients": "a larger cp",
 }
 
 
 def _limit(parts: dict, setup: Setup) -> str:
+    """The largest component at twice the longest length, and what would move it (an option not already on)."""
     name = max(parts, key=parts.get)
-    return f"{name} ({parts[name] / GIB:.1f} GiB at twice the longest length): {ADVICE.get(name, 'a larger cp')}"
+    advice = ADVICE.get(name, "a larger cp")
+    if name == "MLP working set" and setup.tiled_mlp:
+        advice = "a larger cp, or smaller tiles (tiled_mlp=<tokens>)"
+    if name == "checkpoints (on device)" and setup.offload_checkpoints:
+        advice = "a larger cp"
+    return f"{name} ({parts[name] / GIB:.1f} GiB at twice the longest length): {advice}"
 
 
 def _comm(config, setup: Setup, seq_len: int, params: Params, dp: int, sharded: bool) -> float:

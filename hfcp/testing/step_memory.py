@@ -2,7 +2,7 @@
 on every rank of a gloo group (a DistPool task, or a torchrun worker), the model built from the config on the CPU
 in fp32, made ready as a training run makes it (LoRA, gradient checkpointing, hfcp.patch), one warm-up step, then
 the peak RSS growth of each step from a model at rest with no gradients (glibc's mmap threshold fixed), the worst
-rank's. What tests/planning holds hfcp.plan(..., device="cpu") to."""
+rank's. What tests/sweeps/test_plan_memory.py holds hfcp.plan(..., device="cpu") to."""
 from __future__ import annotations
 
 import torch
