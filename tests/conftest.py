@@ -21,9 +21,9 @@ sys.path.insert(0, str(TESTS.parent / "scripts" / "tools"))
 from hfcp.testing.dist_pool import DistPool  # noqa: E402
 
 # what a quick loop (pytest -m "not sweep and not e2e") leaves out: the sweeps over every family transformers ships
-# and over configurations measured (tests/sweeps/, and the tests that read a sweep through the `sweep` fixture), and the end-to-end runs of the job,
-# the scripts and the hfcp command in processes of their own (tests/e2e/, and tests/commands/test_verify.py, marked
-# in its file)
+# and over configurations measured (tests/sweeps/, and the tests that read a sweep through the `sweep` fixture), and
+# the end-to-end runs of the job, the scripts and the hfcp command in processes of their own (tests/e2e/, and
+# tests/commands/test_verify.py, marked in its file)
 SWEEP_FIXTURES = {"sweep"}
 
 

@@ -25,8 +25,9 @@ def load_config(config):
     names = {name.lower(): name for name in shipped()}
     key = str(config).split("/")[-1].lower()
     if not os.path.exists(config) and key in names:
-        path = HERE / f"{names[key]}.json"
-        return transformers.AutoConfig.from_pretrained(str(path)), names[key]
+        loaded = transformers.AutoConfig.from_pretrained(str(HERE / f"{names[key]}.json"))
+        loaded._name_or_path = names[key]  # (what a plan calls it)
+        return loaded, names[key]
     if not os.path.exists(config):
         raise FileNotFoundError(f"config={str(config)!r} is neither a file, a directory nor a shipped config "
                                 f"({', '.join(shipped())})")
