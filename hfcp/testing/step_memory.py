@@ -53,3 +53,15 @@ def measure_steps(config_dict: dict, seq_lens: list[int], strategy: str = "ring"
     model.zero_grad(set_to_none=True)
     hfcp.unpatch(model)
     return worst
+
+
+def plan_case(case: tuple, seq_lens: list[int]) -> list[int]:
+    """hfcp.plan(...).step_bytes at each length for a case (config_dict, cp, plan options); device "cpu", no FSDP
+    (the measured runs hold whole models). In a process without a process group (the dry run makes its own)."""
+    import transformers
+
+    import hfcp
+
+    config, cp, options = case
+    return [hfcp.plan(transformers.AutoConfig.for_model(**config), seq_len=n, cp_size=cp, device="cpu", sharded=False,
+                      **options).step_bytes for n in seq_lens]
