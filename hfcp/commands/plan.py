@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--pp-size", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=1, help="rows per data-parallel rank")
     p.add_argument("--lora-rank", type=int, help="LoRA of this rank (default: a full fine-tune)")
-    p.add_argument("--lora-targets", nargs="+", help="LoRA's target modules (default: PEFT's for the model type)")
+    p.add_argument("--lora-targets", nargs="+",
+                   help="LoRA's target modules (default: PEFT's for the model type; else every linear layer)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--tiled-mlp", action="store_true")
     p.add_argument("--offload-checkpoints", action="store_true")
@@ -58,7 +59,8 @@ def run(args, error) -> int:
                 print(json.dumps([json.loads(p.to_json()) for p in plans]))
                 return 0
             if not plans:
-                print(f"hfcp plan: no layout of {args.gpus} GPUs fits {args.seq_len:,} tokens")
+                print(f"hfcp plan: no layout of {args.gpus} GPUs fits "
+                      + (f"{args.seq_len:,} tokens" if args.seq_len else "(hfcp's layouts need 2 GPUs or more)"))
                 return 1
             print(table(plans))
             print(f"\nthe first: what limits the next doubling: {plans[0].limit}")

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from ..memory.tiled_mlp import MLP_NAMES
+
 BACKEND = "hfcp_dry"
 META = torch.device("meta")
 _aten = torch.ops.aten
@@ -37,7 +39,7 @@ _aten = torch.ops.aten
 # what an operator allocates inside itself and frees before it returns, which its meta kernel (outputs only) does not
 # show: ATen's logsumexp subtracts the maximum into an input-sized temporary (logsumexp_out_impl, CPU and CUDA)
 WORKSPACES = {
-    _aten.logsumexp.default: lambda x, *_: x.numel() * x.element_size(),
+    _aten.logsumexp.default: lambda x, *_, **__: x.numel() * x.element_size(),
 }
 # and the CPU's kernels only: torch._grouped_mm (transformers' mixtures of experts) copies a weight given transposed
 # into a contiguous one (measured: the growth of one call is its output plus the weight)
@@ -307,7 +309,7 @@ def dry_step(model: torch.nn.Module, kernels: str = "cuda"):
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("self_attn", "attention", "attn", "linear_attn", "mixer", "mamba"):
             kind = "attention"
-        elif leaf in ("mlp", "feed_forward", "ffn", "block_sparse_moe"):
+        elif leaf in MLP_NAMES or leaf == "block_sparse_moe":
             kind = "mlp"
         elif leaf in ("lm_head", "norm", "final_layernorm") and "layers" not in name:
             kind = "loss"

@@ -16,8 +16,9 @@ import json
 
 from ..attention.tiles import KERNEL_TILE
 from ..attention.volume import comm_bytes
+from ..families.introspect import decoder_layers, uses_attention_interface
 from ..hooks.causal_lm import DEFAULT_LOSS_CHUNK
-from ..memory.tiled_mlp import tile_tokens
+from ..memory.tiled_mlp import EXPERTS_NAME, tile_tokens
 from .configs import load_config
 from .devices import GIB, Device, resolve_device
 from .trace import DTYPES, Setup, build, layer_period, trace
@@ -76,7 +77,7 @@ class Fit:
         return self.regions[self.peak_region(n, layers)][0].at(n, layers / self.period)
 
     def parts(self, n: float, layers: int) -> tuple[dict, float]:
-        line, parts, grads = self.regions[self.peak_region(n, layers)]
+        _, parts, grads = self.regions[self.peak_region(n, layers)]
         return {k: v.at(n, layers / self.period) for k, v in parts.items()}, grads
 
 
@@ -122,21 +123,27 @@ class Plan:
 def _params(config, setup: Setup) -> Params:
     model = build(config, setup)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = getattr(getattr(base, "model", base), "layers", [])
+    layers = decoder_layers(base, config.num_hidden_layers) or []
     experts = 0
     for name, module in base.named_modules():
-        if name.endswith("experts") and hasattr(module, "parameters"):
+        if name.endswith(EXPERTS_NAME):
             experts += sum(p.numel() for p in module.parameters())
     top_k = getattr(config, "num_experts_per_tok", None)
     n_exp = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     total = sum(p.numel() for p in model.parameters())
     active = total - experts + (experts * top_k // n_exp if top_k and n_exp else experts)
-    embed = base.get_input_embeddings().weight.numel()
+    embed = base.get_input_embeddings().weight.numel()  # (a lookup: no multiply)
     largest = max([sum(p.numel() for p in layer.parameters()) for layer in layers] + [embed])
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    attention = sum(1 for t in types if "attention" in t and "linear" not in t)
+    attention = sum(1 for m in base.modules() if uses_attention_interface(m))  # (what exchanges K/V across ranks)
     return Params(total, sum(p.numel() for p in model.parameters() if p.requires_grad), largest, active - embed,
                   attention, DTYPES[setup.dtype].itemsize)
+
+
+def _attention_shape(config) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head_dim) as the config gives them."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 def _category(where: str) -> str:
@@ -297,9 +304,7 @@ def _limit(parts: dict, setup: Setup) -> str:
 
 
 def _comm(config, setup: Setup, seq_len: int, params: Params, dp: int, sharded: bool) -> float:
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv, head_dim = _attention_shape(config)
     e = DTYPES[setup.dtype].itemsize
     per_layer = comm_bytes(setup.strategy, setup.batch, seq_len, heads, kv, head_dim, setup.cp, setup.ulysses_size, e,
                            recompute=setup.checkpointing)
@@ -315,8 +320,7 @@ def _time(config, setup: Setup, seq_len: int, params: Params, device: Device, co
     # forward, backward (twice a forward's with the weights' gradients), the recompute
     passes = (3 if full else 2) + (1 if setup.checkpointing else 0)
     matmul = 2 * params.active * tokens * passes
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, _, head_dim = _attention_shape(config)
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     span = min(seq_len, window) if window else seq_len / 2  # keys a query sees on average (causal)
     attention = 4 * setup.batch * seq_len * span * heads * head_dim / setup.cp * (1 + 2.5 + (1 if setup.checkpointing
@@ -385,15 +389,10 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
                     optimizer_offload, name)
 
 
-def _head_counts(config) -> tuple[int, int]:
-    heads = config.num_attention_heads
-    return heads, getattr(config, "num_key_value_heads", None) or heads
-
-
 def layouts(config, gpus: int) -> list[dict]:
     """The CP layouts of `gpus` ranks hfcp can run for `config`: every cp dividing gpus (the rest data-parallel),
     ring; ulysses where both head counts divide by cp; usp with the largest Ulysses group that divides both."""
-    heads, kv = _head_counts(config)
+    heads, kv, _ = _attention_shape(config)
     out = []
     for cp in [c for c in range(2, gpus + 1) if gpus % c == 0]:
         out.append(dict(cp_size=cp, strategy="ring", dp_shard=gpus // cp))

@@ -69,6 +69,13 @@ def reduced(config, layers: int):
     return config
 
 
+def _peft_default(model):
+    """PEFT's default LoRA targets for the model's type, or None."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+    return DEFAULTS.get(model.config.model_type)
+
+
 def build(config, setup: Setup):
     """The model of `config` on the meta device, as a training run of `setup` holds it before hfcp.patch."""
     import transformers
@@ -81,11 +88,9 @@ def build(config, setup: Setup):
             from peft import LoraConfig, get_peft_model
 
             targets = list(setup.lora_targets) if setup.lora_targets else None
-            try:
-                lora = LoraConfig(r=setup.lora_rank, target_modules=targets)
-                model = get_peft_model(model, lora)
-            except ValueError:  # (no default targets for this model type in PEFT: every linear layer)
-                model = get_peft_model(model, LoraConfig(r=setup.lora_rank, target_modules="all-linear"))
+            if targets is None and _peft_default(model) is None:
+                targets = "all-linear"  # (PEFT knows no default targets for this model type: every linear layer)
+            model = get_peft_model(model, LoraConfig(r=setup.lora_rank, target_modules=targets))
     if setup.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
