@@ -34,12 +34,12 @@ def test_the_dry_run_sends_what_the_communication_model_counts(strategy, ulysses
 
 def test_a_dry_run_at_world_64_completes_and_agrees_with_the_plan():
     """cp 64 (a size no test runs for real), 3 layers, 4,096 tokens a rank, LoRA, checkpointing and tiled_mlp: hfcp's
-    real step runs, and the plan (fitted from traces on a ring of 4) gives its peak: a ring's bytes a rank do not
+    real step runs (in about 13 s here: reported, not asserted), and the plan (fitted from traces on a ring of 4)
+    gives its peak: a ring's bytes a rank do not
     depend on its size. USP and the lengths of Llama-3.1-8B at cp 256: scripts/tools/dry_run.py."""
     config, seq_len = small(3), 64 * 4096
     options = dict(lora_rank=8, lora_targets=["q_proj", "v_proj"], tiled_mlp=True, dtype="bf16")
     t = dry_run(config, seq_len, 64, layers=None, **options)
-    assert t.seconds < 60
     # a layer: K and V sent each step of the forward, of the recompute and of backward, dK and dV sent home
     assert t.collectives["send"] == 3 * 2 * (3 * 63 + 64)
     p = hfcp.plan(config, seq_len=seq_len, cp_size=64, device={"base": "cpu", "name": "cpu"}, **options)
