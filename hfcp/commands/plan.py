@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="h100-80gb", help="cpu, h100-80gb, h200-141gb, a100-80gb, a100-40gb")
     p.add_argument("--device-spec", help="a JSON file of device fields (memory_gib, tflops, ...; see devices.py)")
     p.add_argument("--json", action="store_true", help="the plan (or the ranked plans) as JSON")
+    p.add_argument("--step", default="hfcp", choices=["hfcp", "alst"],
+                   help="whose training step: hfcp's, or DeepSpeed ALST's to set beside it (needs deepspeed)")
 
 
 def run(args, error) -> int:
@@ -53,6 +55,8 @@ def run(args, error) -> int:
                   optimizer_offload=args.optimizer_offload, dtype=args.dtype, device=device,
                   sharded=None if args.sharded is None else args.sharded == "yes")
     try:
+        if args.gpus and args.step != "hfcp":
+            raise ValueError(f"--gpus ranks hfcp's layouts; --step {args.step} plans one layout (pass --cp-size)")
         if args.gpus:
             plans = search(args.config, args.gpus, seq_len=args.seq_len, **kwargs)
             if args.json:
@@ -68,8 +72,8 @@ def run(args, error) -> int:
         p = plan(args.config, seq_len=args.seq_len, cp_size=args.cp_size, strategy=args.strategy,
                  ulysses_size=args.ulysses_size, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate,
                  tp_size=args.tp_size, pp_size=args.pp_size, tiled_mlp=args.tiled_mlp,
-                 offload_checkpoints=args.offload_checkpoints, **kwargs)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+                 offload_checkpoints=args.offload_checkpoints, step=args.step, **kwargs)
+    except (ValueError, FileNotFoundError, NotImplementedError, ImportError) as e:
         print(f"hfcp plan: error: {e}", file=sys.stderr)
         return 2
     print(p.to_json() if args.json else p)

@@ -38,15 +38,34 @@ _aten = torch.ops.aten
 
 # what an operator allocates inside itself and frees before it returns, which its meta kernel (outputs only) does not
 # show: ATen's logsumexp subtracts the maximum into an input-sized temporary (logsumexp_out_impl, CPU and CUDA)
-WORKSPACES = {
+_BOTH = {
     _aten.logsumexp.default: lambda x, *_, **__: x.numel() * x.element_size(),
 }
-# and the CPU's kernels only: torch._grouped_mm (transformers' mixtures of experts) copies a weight given transposed
-# into a contiguous one (measured: the growth of one call is its output plus the weight)
+
+
+def _flash_backward(dout, q, k, *_, **__) -> int:
+    """FlashAttention-2's backward (CUDA; aten's copy of it and the flash-attn package alike): an fp32 accumulator
+    of dQ, and with fewer K/V heads than query heads, dK and dV at the query's head count before they are summed
+    into the K/V heads (flash_api.cpp, mha_bwd). The dry run's meta stand-in for it: the CPU flash kernel's op."""
+    expanded = 2 * q.numel() * q.element_size() if k.shape[1] != q.shape[1] else 0
+    return q.numel() * 4 + expanded
+
+
+# CUDA's kernels (a GPU plan)
+WORKSPACES = {
+    **_BOTH,
+    _aten._scaled_dot_product_flash_attention_backward.default: _flash_backward,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_backward,
+}
+# the CPU's kernels: torch._grouped_mm (transformers' mixtures of experts) copies a weight given transposed into a
+# contiguous one (measured: the growth of one call is its output plus the weight)
 CPU_WORKSPACES = {
-    **WORKSPACES,
+    **_BOTH,
     _aten._grouped_mm.default: lambda a, b, *_, **__: 0 if b.is_contiguous() else b.numel() * b.element_size(),
 }
+# collectives that other libraries register as operators of their own (their bodies call c10d below the dry run's
+# dispatch mode): operator name -> the c10d collective it is
+OPERATOR_COLLECTIVES = {"deepspeed::dim_zero_all_to_all": "alltoall_base_"}  # (DeepSpeed's Ulysses: input, group)
 
 
 def _grouped_mm_any_dtype(func, a, b, *args, **kwargs):
@@ -189,6 +208,12 @@ class Ledger:
         elif name in ("reduce_scatter_tensor_coalesced", "_reduce_scatter_base_"):
             self.sent += _nbytes(args[1]) * share
 
+    def operator_collective(self, name: str, args) -> None:
+        """A collective another library runs as an operator of its own (OPERATOR_COLLECTIVES): (input, group name)."""
+        self.collectives[name] = self.collectives.get(name, 0) + 1
+        group = dist.distributed_c10d._resolve_process_group(args[1]).size()
+        self.sent += _nbytes(args[0]) * (group - 1) / group
+
     def _free(self, entry: list) -> None:
         if entry[2]:
             self.host -= entry[1]
@@ -272,6 +297,8 @@ class _DryMode(TorchDispatchMode):
                 kwargs, to_host = dict(kwargs, device=META), True  # (offloaded: counted as host memory)
         if func.namespace == "c10d":
             self.ledger.collective(func, args)
+        elif func.name().split(".")[0] in OPERATOR_COLLECTIVES:
+            self.ledger.operator_collective(OPERATOR_COLLECTIVES[func.name().split(".")[0]], args)
         fix = META_FIXES.get(func)
         if fix is not None and _is_meta(args[0]):
             out = fix(func, *args, **kwargs)

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 from ..attention.tiles import KERNEL_TILE
 from ..attention.volume import comm_bytes
 from ..families.introspect import decoder_layers, uses_attention_interface
 from ..hooks.causal_lm import DEFAULT_LOSS_CHUNK
 from ..memory.tiled_mlp import EXPERTS_NAME, tile_tokens
+from .alst import LOSS_SHARD_BYTES
 from .configs import load_config
 from .devices import GIB, Device, resolve_device
 from .trace import DTYPES, Setup, build, layer_period, trace
@@ -187,7 +189,11 @@ def fit(config, setup: Setup) -> Fit:
 def _fit(config, traced: Setup) -> Fit:
     """The dry run's three traces of `traced`, fitted (module docstring)."""
     tile = tile_tokens(traced.tiled_mlp, config) or 0
-    n1 = 2 * max(KERNEL_TILE, DEFAULT_LOSS_CHUNK, tile)
+    chunk = DEFAULT_LOSS_CHUNK
+    if traced.step == "alst":  # (ALST's MLP shards of hidden_size tokens, loss shards of ~1 GiB of fp32 logits)
+        tile = config.hidden_size if traced.tiled_mlp else 0
+        chunk = math.ceil(LOSS_SHARD_BYTES / 4 / config.get_text_config().vocab_size)
+    n1 = 2 * max(KERNEL_TILE, chunk, tile)
     n2, p = 2 * n1, layer_period(config)
     k = BASE_PERIODS * p
     a, b, c = (trace(config, traced, k, n1), trace(config, traced, k, n2), trace(config, traced, k + p, n1))
@@ -220,13 +226,18 @@ def evaluate(config, setup: Setup, seq_len: int, device: Device, fitted: Fit, pa
     shards = dp[0] * setup.cp if sharded else 1
     n = seq_len / setup.cp
     static = _static(params, setup, shards, param_offload, optimizer_offload)
-    gathered = 2 * params.largest_layer * params.weight_bytes if sharded else 0
+    gathered = 2 * params.largest_layer * params.weight_bytes if sharded or param_offload else 0
     grads_total = params.trainable * params.weight_bytes / shards
+    grads_host = 0.0
+    if param_offload or optimizer_offload:  # (the optimizer steps on the host: each gradient leaves the device once
+        # reduced, FSDP2's CPUOffloadPolicy and ZeRO-3's offload alike; what stays is a layer's, before its reduction)
+        grads_host = grads_total
+        grads_total = min(grads_total, params.largest_layer * params.weight_bytes)
 
     def step(tokens: float) -> tuple[float, dict]:
         parts, grads_peak = fitted.parts(tokens, layers)
         parts = {k: v for k, v in parts.items() if v > 0}
-        grads_peak /= shards
+        grads_peak = min(grads_peak / shards, grads_total)
         at_act = fitted.act(tokens, layers) + grads_peak + gathered
         at_end = grads_total + gathered
         parts["gradients"] = grads_peak if at_act >= at_end else grads_total
@@ -247,7 +258,7 @@ def evaluate(config, setup: Setup, seq_len: int, device: Device, fitted: Fit, pa
     breakdown = {k: int(v) for k, v in breakdown.items() if v}
     unit = 2 * setup.cp
     longest = _longest(lambda tokens: peak(tokens)[0], device.memory) * setup.cp // unit * unit
-    host = static["host: weights and optimizer states"] + fitted.host.at(n, layers / fitted.period)
+    host = static["host: weights and optimizer states"] + grads_host + fitted.host.at(n, layers / fitted.period)
     comm = _comm(config, setup, seq_len, params, dp[0] * dp[1], sharded)
     time_parts = _time(config, setup, seq_len, params, device, comm, fitted.host.at(n, layers / fitted.period))
     step_time = max(time_parts["compute"], time_parts["communication"]) if setup.strategy == "ring" \
@@ -258,7 +269,7 @@ def evaluate(config, setup: Setup, seq_len: int, device: Device, fitted: Fit, pa
                   sharded=sharded, batch_size=setup.batch, lora_rank=setup.lora_rank,
                   gradient_checkpointing=setup.checkpointing, tiled_mlp=setup.tiled_mlp,
                   offload_checkpoints=setup.offload_checkpoints, param_offload=param_offload,
-                  optimizer_offload=optimizer_offload, dtype=setup.dtype)
+                  optimizer_offload=optimizer_offload, dtype=setup.dtype, step=setup.step)
     return Plan(name, device.name, seq_len, layout, int(total), int(step_bytes), breakdown, int(host), longest,
                 comm, step_time, time_parts, total <= device.memory, _limit(peak(2 * max(longest, unit) / setup.cp)[1],
                                                                           setup))
@@ -300,6 +311,8 @@ def _limit(parts: dict, setup: Setup) -> str:
         advice = "a larger cp, or smaller tiles (tiled_mlp=<tokens>)"
     if name == "checkpoints (on device)" and setup.offload_checkpoints:
         advice = "a larger cp"
+    if name == "attention working set" and setup.strategy in ("ulysses", "usp"):
+        advice = "a larger cp (each rank's queries and keys)"
     return f"{name} ({parts[name] / GIB:.1f} GiB at twice the longest length): {advice}"
 
 
@@ -339,7 +352,7 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
          lora_rank: int | None = None, lora_targets=None, gradient_checkpointing: bool = True,
          tiled_mlp: bool | int = False, offload_checkpoints: bool = False, param_offload: bool = False,
          optimizer_offload: bool = False, sharded: bool | None = None, dtype: str | None = None,
-         device="h100-80gb") -> Plan:
+         device="h100-80gb", step: str = "hfcp") -> Plan:
     """What a training step of `config` needs per rank (see docs/how-to/plan.md).
 
     Args:
@@ -352,6 +365,8 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
         param_offload, optimizer_offload: FSDP2's / ZeRO-3's host offload of the weights / optimizer states.
         dtype: "bf16" (default on GPUs), "fp16" or "fp32" (default on "cpu").
         device: "cpu", "h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", a dict spec or a Device.
+        step: "hfcp" (hfcp's step), or "alst": DeepSpeed ALST's step (its Ulysses over the cp_size ranks, tiled MLP
+            and loss, checkpoints offloaded as the flags say; cp_size 1 allowed) to set beside hfcp's. Needs deepspeed.
     """
     device = resolve_device(device)
     dtype = dtype or ("fp32" if device.is_cpu else "bf16")
@@ -362,9 +377,14 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
     if tp_size != 1 or pp_size != 1:
         raise NotImplementedError(f"tp_size={tp_size}, pp_size={pp_size}: hfcp's plan does not model tensor or "
                                   "pipeline parallelism yet (its dry run runs one CP group); plan tp_size=1, pp_size=1")
-    if cp_size < 2:
+    if step not in ("hfcp", "alst"):
+        raise ValueError(f"step={step!r} is not 'hfcp' or 'alst' (DeepSpeed ALST's step)")
+    if step == "alst" and cp_size > 1 and (strategy != "ulysses" or ulysses_size is not None):
+        raise ValueError(f"step='alst' runs ALST's Ulysses over the cp_size={cp_size} ranks: pass strategy='ulysses' "
+                         f"without ulysses_size (got strategy={strategy!r}, ulysses_size={ulysses_size})")
+    if cp_size < 1 or cp_size < 2 and step == "hfcp":
         raise ValueError(f"cp_size={cp_size}: hfcp.patch leaves a model with one rank a group unchanged, so there is "
-                         "no hfcp step to plan; pass cp_size >= 2")
+                         "no hfcp step to plan; pass cp_size >= 2 (or step='alst', which plans one GPU too)")
     if seq_len is not None and seq_len % cp_size:
         raise ValueError(f"seq_len={seq_len} must be a multiple of cp_size={cp_size}")
     if strategy == "usp" and (ulysses_size is None or cp_size % ulysses_size):
@@ -375,7 +395,7 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
     config, name = load_config(config)
     setup = Setup(cp_size, strategy, ulysses_size, batch_size, lora_rank, tuple(lora_targets) if lora_targets else None,
                   gradient_checkpointing, tiled_mlp, offload_checkpoints, dtype,
-                  "cpu" if device.is_cpu else "cuda")
+                  "cpu" if device.is_cpu else "cuda", step)
     if sharded is None:
         sharded = lora_rank is None and dp_shard * cp_size > 1
     params = _params(config, setup)

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from . import alst
 from .dry_run import dry_step, dry_world
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -28,6 +29,7 @@ class Setup:
     offload_checkpoints: bool = False
     dtype: str = "bf16"
     kernels: str = "cuda"  # whose operators' workspaces count ("cpu" for a CPU plan)
+    step: str = "hfcp"  # whose step: hfcp's, or DeepSpeed ALST's (alst.py)
 
 
 @dataclasses.dataclass
@@ -107,16 +109,24 @@ def trace(config, setup: Setup, layers: int, local_tokens: int) -> Trace:
     config = reduced(config, layers)
     if getattr(config, "max_position_embeddings", seq_len) < seq_len:
         config.max_position_embeddings = seq_len
+    ids = torch.randint(0, config.vocab_size, (setup.batch, seq_len), generator=torch.Generator().manual_seed(0))
     with dry_world(setup.cp):
         model = build(config, setup)
-        patch(model, strategy=setup.strategy, ulysses_size=setup.ulysses_size, check_inputs=False,
-                   tiled_mlp=setup.tiled_mlp, offload_checkpoints=setup.offload_checkpoints)
-        ids = torch.randint(0, config.vocab_size, (setup.batch, seq_len), generator=torch.Generator().manual_seed(0))
-        with dry_step(model, setup.kernels) as ledger:
-            out = model(input_ids=ids, labels=ids, use_cache=False)
-            ledger.phase = "backward"
-            out.loss.backward()
-            del out
+        if setup.step == "alst":
+            with alst.prepared(model, setup.cp, bool(setup.tiled_mlp), setup.offload_checkpoints) as step:
+                with dry_step(model, setup.kernels) as ledger:  # (rank 0's tokens: ALST's ranks get them sharded)
+                    loss = step(ids[:, :local_tokens], torch.arange(local_tokens).expand(setup.batch, -1))
+                    ledger.phase = "backward"
+                    loss.backward()
+                    del loss
+        else:
+            patch(model, strategy=setup.strategy, ulysses_size=setup.ulysses_size, check_inputs=False,
+                  tiled_mlp=setup.tiled_mlp, offload_checkpoints=setup.offload_checkpoints)
+            with dry_step(model, setup.kernels) as ledger:
+                out = model(input_ids=ids, labels=ids, use_cache=False)
+                ledger.phase = "backward"
+                out.loss.backward()
+                del out
         grads_end = ledger.grads
     return Trace(layers, local_tokens, ledger.peak, ledger.regions, grads_end, ledger.host_peak, ledger.sent,
                  ledger.collectives, time.perf_counter() - started)
@@ -125,10 +135,11 @@ def trace(config, setup: Setup, layers: int, local_tokens: int) -> Trace:
 def dry_run(config, seq_len: int, cp_size: int, strategy: str = "ring", ulysses_size: int | None = None,
             layers: int | None = 2, batch_size: int = 1, lora_rank: int | None = None, lora_targets=None,
             gradient_checkpointing: bool = True, tiled_mlp: bool | int = False, offload_checkpoints: bool = False,
-            dtype: str = "bf16") -> Trace:
+            dtype: str = "bf16", step: str = "hfcp") -> Trace:
     """hfcp's training step of `config` at `seq_len` tokens on one rank of a fake world of cp_size ranks, every
     layout computation, mask, index and collective as a real run has them, the tensors on the meta device (see
-    dry_run.py); the model cut to `layers` layers (None: all of them; a layer's step is each layer's). Returns the
+    dry_run.py); the model cut to `layers` layers (None: all of them; a layer's step is each layer's); step="alst":
+    DeepSpeed ALST's step instead of hfcp's (alst.py). Returns the
     Trace: the device's peak, the host's, the bytes sent, the collectives called, the seconds it took."""
     from .configs import load_config
 
@@ -136,5 +147,5 @@ def dry_run(config, seq_len: int, cp_size: int, strategy: str = "ring", ulysses_
     if seq_len % cp_size:
         raise ValueError(f"seq_len={seq_len} must be a multiple of cp_size={cp_size}")
     setup = Setup(cp_size, strategy, ulysses_size, batch_size, lora_rank, tuple(lora_targets) if lora_targets else None,
-                  gradient_checkpointing, tiled_mlp, offload_checkpoints, dtype)
+                  gradient_checkpointing, tiled_mlp, offload_checkpoints, dtype, step=step)
     return trace(config, setup, layers or config.num_hidden_layers, seq_len // cp_size)

@@ -135,3 +135,43 @@ def test_the_dry_run_tool_reports_each_run_and_a_failure_by_name(capsys, tmp_pat
     ok, refused = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert ok["ok"] and ok["collectives"]["send"] == 2 * (3 * 7 + 8) and ok["peak_gib"] > 0, ok
     assert not refused["ok"] and "not both divisible by cp_size=8" in refused["error"], refused
+
+
+ALST_PUBLISHED = {1: 500_000, 8: 3_700_000, 32: 15_000_000}  # arXiv 2506.13996: Llama-3.1-8B on 80 GB H100s
+
+
+@pytest.mark.parametrize("gpus", sorted(ALST_PUBLISHED))
+def test_the_plan_of_alsts_own_step_reaches_alsts_published_lengths(gpus):
+    """The plan's GPU model (what the dry run counts, the device's overhead and slack, the optimizer on the host)
+    held to published GPU results: DeepSpeed ALST's own step (its Ulysses, TiledMLP and tiled loss, dry-run) with
+    ALST's settings (bf16 full fine-tune, weights and optimizer states offloaded, checkpoints offloaded) reaches
+    within 25% of what ALST reached on 1, 8 and 32 H100s. (hfcp's own step beside it: docs/performance.md.)"""
+    pytest.importorskip("deepspeed")  # the optional extra hfcp[deepspeed]; CI installs it
+    p = hfcp.plan("Llama-3.1-8B", cp_size=gpus, strategy="ulysses" if gpus > 1 else "ring", step="alst",
+                  tiled_mlp=True, offload_checkpoints=True, param_offload=True, optimizer_offload=True,
+                  device="h100-80gb")
+    assert p.fits and p.layout["step"] == "alst"
+    assert p.max_seq_len == pytest.approx(ALST_PUBLISHED[gpus], rel=0.25), (gpus, p.max_seq_len)
+
+
+def test_alsts_dry_run_sends_what_ulysses_sends():
+    """DeepSpeed's all-to-all is an operator of its own (its collective runs below the dry run's dispatch): counted
+    as the c10d all-to-all it is. ALST moves what hfcp's Ulysses moves (Q, K, V there, the output back, again in the
+    recompute and in backward), and all-gathers each layer's position ids (int64) in its forward and recompute."""
+    pytest.importorskip("deepspeed")
+    t = dry_run(small(), 8192, 4, "ulysses", step="alst", dtype="fp32")
+    per_layer = comm_bytes("ulysses", 1, 8192, 4, 4, 64, 4, None, 4, recompute=True)
+    positions = 2 * 2 * 2048 * 8 * 3  # (2 layers x forward and recompute; 2,048 int64 a rank, to 3 others)
+    assert t.collectives["alltoall_base_"] == 2 * 4 * 3
+    assert t.sent == pytest.approx(2 * per_layer + positions, rel=1e-9), (t.sent, t.collectives)
+
+
+def test_alsts_step_is_refused_where_alst_does_not_run(tmp_path, capsys):
+    with pytest.raises(ValueError, match="step='alst' runs ALST's Ulysses"):
+        hfcp.plan(small(), cp_size=2, strategy="ring", step="alst")
+    with pytest.raises(ValueError, match="step='deepspeed'"):
+        hfcp.plan(small(), step="deepspeed")
+    path = tmp_path / "config.json"
+    small(2).to_json_file(str(path))
+    assert main(["plan", str(path), "--gpus", "8", "--step", "alst"]) == 2
+    assert "--step alst plans one layout" in capsys.readouterr().err
