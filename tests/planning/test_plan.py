@@ -11,15 +11,20 @@ import transformers
 import hfcp
 from hfcp.attention.volume import comm_bytes
 from hfcp.commands.cli import main
-from hfcp.planning import dry_run, layouts, search
+from hfcp.planning import dry_run
 from hfcp.planning.configs import load_config, shipped
 
-SMALL = dict(model_type="llama", hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=4,
-             vocab_size=2048, max_position_embeddings=1 << 20)
+import workers_plan
+from workers_plan import small
+
+from hfcp.testing.dist_pool import map_in_processes
 
 
-def small(layers: int = 2, **fields):
-    return transformers.AutoConfig.for_model(**{**SMALL, "num_hidden_layers": layers, **fields})
+@pytest.fixture(scope="module")
+def made():
+    """The module's dry runs and plans that take seconds (workers_plan.py), two at a time in processes of their own."""
+    names = ["world_64", "extrapolated", "searched"]
+    return dict(zip(names, map_in_processes(workers_plan.make, [(n,) for n in names])))
 
 
 @pytest.mark.parametrize("strategy, ulysses_size, checkpointing", [
@@ -32,27 +37,23 @@ def test_the_dry_run_sends_what_the_communication_model_counts(strategy, ulysses
     assert t.sent == pytest.approx(2 * per_layer + loss, rel=1e-6), (t.sent, t.collectives)
 
 
-def test_a_dry_run_at_world_64_completes_and_agrees_with_the_plan():
+def test_a_dry_run_at_world_64_completes_and_agrees_with_the_plan(made):
     """cp 64 (a size no test runs for real), 3 layers, 4,096 tokens a rank, LoRA, checkpointing and tiled_mlp: hfcp's
     real step runs (in about 13 s here: reported, not asserted), and the plan (fitted from traces on a ring of 4)
-    gives its peak: a ring's bytes a rank do not
-    depend on its size. USP and the lengths of Llama-3.1-8B at cp 256: scripts/tools/dry_run.py."""
-    config, seq_len = small(3), 64 * 4096
-    options = dict(lora_rank=8, lora_targets=["q_proj", "v_proj"], tiled_mlp=True, dtype="bf16")
-    t = dry_run(config, seq_len, 64, layers=None, **options)
+    gives its peak: a ring's bytes a rank do not depend on its size (workers_plan.world_64). USP and the lengths of
+    Llama-3.1-8B at cp 256: scripts/tools/dry_run.py."""
+    w = made["world_64"]
+    print(f"the dry run of a ring of 64 took {w['seconds']:.1f} s")
     # a layer: K and V sent each step of the forward, of the recompute and of backward, dK and dV sent home
-    assert t.collectives["send"] == 3 * 2 * (3 * 63 + 64)
-    p = hfcp.plan(config, seq_len=seq_len, cp_size=64, device={"base": "cpu", "name": "cpu"}, **options)
-    assert p.step_bytes == pytest.approx(t.peak, rel=0.02), (p.step_bytes, t.peak)
-    assert p.comm_bytes_per_step == pytest.approx(t.sent, rel=0.01), (p.comm_bytes_per_step, t.sent)
+    assert w["sends"] == 3 * 2 * (3 * 63 + 64)
+    assert w["step_bytes"] == pytest.approx(w["peak"], rel=0.02), w
+    assert w["planned_sent"] == pytest.approx(w["sent"], rel=0.01), w
 
 
-def test_the_fit_extrapolates_in_layers_and_tokens():
-    """A plan at 8 layers and 4x the traced tokens equals the dry run of that very step (meta, one process)."""
-    config = small(8, num_key_value_heads=2)
-    t = dry_run(config, 2 * 16384, 2, layers=None, lora_rank=8, lora_targets=["q_proj"], dtype="fp32")
-    p = hfcp.plan(config, seq_len=2 * 16384, cp_size=2, lora_rank=8, lora_targets=["q_proj"], device="cpu")
-    assert p.step_bytes == pytest.approx(t.peak, rel=0.02), (p.step_bytes, t.peak)
+def test_the_fit_extrapolates_in_layers_and_tokens(made):
+    """A plan at 8 layers and 4x the traced tokens equals the dry run of that very step (workers_plan.extrapolated)."""
+    e = made["extrapolated"]
+    assert e["step_bytes"] == pytest.approx(e["peak"], rel=0.02), e
 
 
 PUBLISHED = {"Llama-3.1-8B": 8.03e9, "Llama-3.1-70B": 70.6e9, "Qwen3-8B": 8.19e9, "Qwen3-32B": 32.8e9,
@@ -114,15 +115,13 @@ def test_the_command_plans_lists_and_refuses(capsys, tmp_path):
     assert "cp_size=1" in capsys.readouterr().err
 
 
-def test_the_search_ranks_the_layouts_and_the_options():
-    config = small(2, num_key_value_heads=2, hidden_size=1024, intermediate_size=2048)  # (tiles of 1,024 tokens)
-    assert [(x["cp_size"], x["strategy"], x.get("ulysses_size")) for x in layouts(config, 4)] == [
-        (2, "ring", None), (2, "ulysses", None), (4, "ring", None), (4, "usp", 2)]  # (4 KV heads: no ulysses at 4)
-    plans = search(config, 2, lora_rank=8, device={"base": "cpu", "memory_gib": 8})
-    longest = [p.max_seq_len for p in plans]
-    assert longest == sorted(longest, reverse=True) and len(plans) == 6
-    by = {(p.layout["strategy"], p.layout["tiled_mlp"]): p.max_seq_len for p in plans
-          if not p.layout["offload_checkpoints"]}
+def test_the_search_ranks_the_layouts_and_the_options(made):
+    s = made["searched"]  # (workers_plan.searched: 2 KV heads, tiles of 1,024 tokens)
+    assert s["layouts"] == [(2, "ring", None), (2, "ulysses", None), (4, "ring", None), (4, "usp", 2)]  # (no
+    # ulysses at 4: 2 KV heads)
+    longest = [p[0] for p in s["plans"]]
+    assert longest == sorted(longest, reverse=True) and len(longest) == 6
+    by = {(strategy, tiled): n for n, strategy, tiled, offload in s["plans"] if not offload}
     assert by[("ring", True)] > by[("ring", False)]  # tiles reach further: the MLP's working set is the limit
 
 

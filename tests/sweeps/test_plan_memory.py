@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hfcp.testing.dist_pool import DistPool
+from hfcp.testing.dist_pool import DistPool, map_in_processes
 from hfcp.testing.step_memory import measure_steps, plan_case
 
 LENGTHS = [8192, 16384]
@@ -61,9 +61,10 @@ def measuring():
 
 @pytest.fixture(scope="module")
 def plans():
-    """Every case's plan at each length, made before the measurements: made beside the measured ranks, the plans'
-    dry runs would share the cores with them, and the ranks would wait for each other."""
-    return {name: plan_case(case, LENGTHS) for name, case in CASES.items()}
+    """Every case's plan at each length, made before the measurements (made beside the measured ranks, the plans'
+    dry runs would share the cores with them, and the ranks would wait for each other), in two processes."""
+    made = map_in_processes(plan_case, [(case, LENGTHS) for case in CASES.values()])
+    return dict(zip(CASES, made))
 
 
 @pytest.mark.parametrize("name", list(CASES))
