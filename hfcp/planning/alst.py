@@ -12,6 +12,7 @@ Needs deepspeed (pip install 'hfcp[deepspeed]')."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 
 import torch
@@ -78,12 +79,22 @@ def prepared(model, sp: int, tiled_mlp: bool, offload_checkpoints: bool):
     config = base.config
     text = config.get_text_config()
     attention, mpu = flash_attention, None
+    ds_state = previous_backend = None
     if sp > 1:
         import deepspeed.comm as ds_comm
         import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
 
-        ds_comm.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False,
-                                 verbose=False)
+        # (by their module objects: the package's attributes of these names are other things)
+        ds_state, ds_torch = (importlib.import_module(f"deepspeed.comm.{m}") for m in ("comm", "torch"))
+
+        previous_backend = ds_state.cdb
+        build_shm_op, ds_torch.build_shm_op = ds_torch.build_shm_op, lambda: None
+        try:  # (on a CPU DeepSpeed JIT-builds and starts its shared-memory all-reduce kernel, about 40 s of g++ in a
+            # fresh environment: the fake group moves no data, and a GPU run has no such kernel)
+            ds_comm.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False,
+                                     verbose=False)
+        finally:
+            ds_torch.build_shm_op = build_shm_op
         mpu.initialize_sequence_parallel(sp)
         heads = text.num_attention_heads
         ulysses = sp_module.UlyssesSPAttentionHF(
@@ -142,3 +153,5 @@ def prepared(model, sp: int, tiled_mlp: bool, offload_checkpoints: bool):
                 mlp.__dict__.pop("forward", None)
         if mpu is not None:
             mpu._release_sequence_parallel_groups()
+        if ds_state is not None:
+            ds_state.cdb = previous_backend  # (DeepSpeed's backend of the fake world goes with it)
