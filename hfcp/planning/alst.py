@@ -5,9 +5,10 @@ step="alst")`).
 The step is DeepSpeed's own code, run on the meta device as hfcp's step is (dry_run.py): its Ulysses attention
 (`UlyssesSPAttentionHF`: all-to-all of Q, K and V to whole sequences of a rank's heads and back), its `TiledMLP`
 and `TiledFusedLogitsLoss`, with ArcticTraining's recipe around them: MLP shards of hidden_size tokens, loss shards
-of about 1 GiB of fp32 logits, each checkpointed layer's input offloaded to host memory (reentrant checkpointing,
-its saved inputs copied to the host). The core attention is FlashAttention-2's by its shapes: aten's flash kernel
-(out and log-sum-exp kept; GQA's K and V unrepeated), whose backward's workspace dry_run.WORKSPACES counts.
+of about 1 GiB of fp32 logits, each checkpointed layer's input offloaded to host memory (what the layer's checkpoint
+saves, its inputs, copied to the host and back). The core attention is FlashAttention-2's by its shapes: aten's
+flash kernel (out and log-sum-exp kept; GQA's K and V unrepeated), whose backward's workspace dry_run.WORKSPACES
+counts.
 Needs deepspeed (pip install 'hfcp[deepspeed]')."""
 from __future__ import annotations
 
