@@ -18,7 +18,8 @@ import math
 
 import torch
 
-from ..families.introspect import decoder_layers
+from ..families.introspect import decoder_layers, uses_attention_interface
+from ..memory.tiled_mlp import EXPERTS_NAME
 
 KEY = "hfcp_dry_alst"  # the attention implementation the dry run registers while ALST's step runs
 LOSS_SHARD_BYTES = 2 ** 30  # ArcticTraining: loss shards of about 1 GiB of fp32 logits
@@ -67,6 +68,24 @@ def _tiled(mlp, tiled_mlp_class):
     return run
 
 
+def _refuse_what_alst_does_not_run(base, text, tiled_mlp: bool) -> None:
+    """ALST's step as planned here: a decoder of attention layers (its Ulysses exchanges attention only; a recurrent
+    mixer would run on a rank's tokens alone), dense MLPs where tiled (DeepSpeed's TiledMLP), a causal LM's body and
+    head (`model`, `lm_head`). Anything else raises ValueError naming it."""
+    layers = decoder_layers(base, text.num_hidden_layers) or []
+    if not layers or not hasattr(base, "model") or not hasattr(base, "lm_head"):
+        raise ValueError(f"step='alst' plans a causal LM with decoder layers, a body and a head; "
+                         f"{type(base).__name__} is not one")
+    for i, layer in enumerate(layers):
+        if not any(uses_attention_interface(m) for m in layer.modules()):
+            raise ValueError(f"step='alst': decoder layer {i} ({type(layer).__name__}) has no attention that ALST's "
+                             "Ulysses exchanges (a recurrent or linear-attention mixer); plan hfcp's step")
+        mlp = getattr(layer, "mlp", None)
+        if tiled_mlp and (mlp is None or any(n.endswith(EXPERTS_NAME) for n, _ in mlp.named_modules())):
+            raise ValueError(f"step='alst' with tiled_mlp tiles dense MLPs (DeepSpeed's TiledMLP); decoder layer {i}'s "
+                             f"MLP is {type(mlp).__name__}: pass tiled_mlp=False")
+
+
 @contextlib.contextmanager
 def prepared(model, sp: int, tiled_mlp: bool, offload_checkpoints: bool):
     """Inside: `model` (on the meta device, in a dry world of sp ranks or more) runs ALST's step; yields
@@ -79,6 +98,7 @@ def prepared(model, sp: int, tiled_mlp: bool, offload_checkpoints: bool):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
     text = config.get_text_config()
+    _refuse_what_alst_does_not_run(base, text, tiled_mlp)
     attention, mpu = flash_attention, None
     ds_state = previous_backend = None
     if sp > 1:

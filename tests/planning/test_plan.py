@@ -174,3 +174,16 @@ def test_alsts_step_is_refused_where_alst_does_not_run(tmp_path, capsys):
     small(2).to_json_file(str(path))
     assert main(["plan", str(path), "--gpus", "8", "--step", "alst"]) == 2
     assert "--step alst plans one layout" in capsys.readouterr().err
+
+
+def test_alsts_step_refuses_what_alst_does_not_tile_or_exchange():
+    pytest.importorskip("deepspeed")
+    moe = small(2, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+    with pytest.raises(ValueError, match="tiles dense MLPs"):
+        hfcp.plan(moe, cp_size=2, strategy="ulysses", step="alst", tiled_mlp=True, device="cpu")
+    hybrid = small(2, model_type="qwen3_next", num_key_value_heads=1,
+                   layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+                   linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    with pytest.raises(ValueError, match="no attention that ALST's"):
+        hfcp.plan(hybrid, cp_size=2, strategy="ulysses", step="alst", device="cpu")
