@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from launches import LAUNCH, ROOT, in_one_process, run_together, scripts_results
 
-BENCH_VLM = [sys.executable, "scripts/bench/vlm.py", "--repeats", "1", "--width", "64", "--layers", "1"]
+BENCH_VLM = ["scripts/bench/vlm.py", "--repeats", "1", "--width", "64", "--layers", "1"]
 VLM_AT_CP2 = ["scripts/bench/vlm.py", "--one", "--both", "--cp", "2", "--repeats", "1", "--width", "64",
               "--layers", "1"]
 
@@ -29,26 +29,27 @@ LAUNCHED = {
     "vlm_video": lambda tmp: [*VLM_AT_CP2, "--video", "8", "--images", "48"],
     "vlm_audio": lambda tmp: [*VLM_AT_CP2, "--audio", "3", "--images", "48"],
 }
-# each script run the tests below read (that launch one of them), started at the same time
-RUNS = {
-    "example_one": lambda tmp: [sys.executable, "scripts/examples/example_cp.py", "--seq-len", "128", "--steps", "2"],
-    "launched": lambda tmp: [*LAUNCH, *in_one_process({n: cmd(tmp) for n, cmd in LAUNCHED.items()}, tmp, "launched")],
+# the scripts run in one plain process, one after the other (one start, its imports, serves them all)
+SINGLE = {
+    "example_one": lambda tmp: ["scripts/examples/example_cp.py", "--seq-len", "128", "--steps", "2"],
     "vlm_images": lambda tmp: [*BENCH_VLM, "--images", "4", "--cps", "1"],
-    "bench_generate": lambda tmp: [sys.executable, "scripts/bench/generate.py", "--lengths", "200", "--cps", "1",
-                                   "--new-tokens", "3", "--width", "64", "--layers", "1", "--json",
-                                   str(tmp / "rows.json")],
-    "reach_time": lambda tmp: [sys.executable, "scripts/bench/reach_time.py", "--seq-len", "1024", "--rounds", "2"],
-    "bench_dpo": lambda tmp: [sys.executable, "scripts/bench/dpo.py", "--lengths", "128", "--layers", "1", "--vocab",
-                              "512", "--side-by-side", "--json", str(tmp / "bench_dpo.json")],
+    "bench_generate": lambda tmp: ["scripts/bench/generate.py", "--lengths", "200", "--cps", "1", "--new-tokens", "3",
+                                   "--width", "64", "--layers", "1", "--json", str(tmp / "rows.json")],
+    "reach_time": lambda tmp: ["scripts/bench/reach_time.py", "--seq-len", "1024", "--rounds", "2"],
+    "bench_dpo": lambda tmp: ["scripts/bench/dpo.py", "--lengths", "128", "--layers", "1", "--vocab", "512",
+                              "--side-by-side", "--json", str(tmp / "bench_dpo.json")],
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{name: (CompletedProcess, the runs' temporary directory)} of RUNS."""
+    """{name: (CompletedProcess, the runs' temporary directory)} of SINGLE and LAUNCHED, their two processes started
+    at the same time."""
     tmp = tmp_path_factory.mktemp("scripts")
-    done = run_together({n: cmd(tmp) for n, cmd in RUNS.items()}, tmp)
-    done |= scripts_results({n: cmd(tmp) for n, cmd in LAUNCHED.items()}, tmp, done.pop("launched"))
+    single, launched = ({n: cmd(tmp) for n, cmd in scripts.items()} for scripts in (SINGLE, LAUNCHED))
+    done = run_together({"single": [sys.executable, *in_one_process(single, tmp, "single")],
+                         "launched": [*LAUNCH, *in_one_process(launched, tmp, "launched")]}, tmp)
+    done = scripts_results(single, tmp, done["single"]) | scripts_results(launched, tmp, done["launched"])
     return {name: (r, tmp) for name, r in done.items()}
 
 

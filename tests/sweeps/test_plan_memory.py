@@ -2,8 +2,9 @@
 measured as bench/reach.py measures it: hfcp.testing.step_memory), at 8K and 16K tokens, for configurations that
 cover a GQA Llama, an MHA family, a mixture of experts, a hybrid with a recurrent mixer, a sliding-window family and
 a VLM's language model; cp 2 and 4; ring and Ulysses; LoRA and full fine-tune; tiled_mlp on and off; checkpointing
-on and off. The models are as transformers builds them from these configs; their attention is narrow (two heads
-of 16) so that a 16K-token step takes seconds on a CPU, their widths are what the plan counts."""
+on and off. The models are as transformers builds them from these configs; their attention is narrow (heads of 16:
+two, four for the MHA family) so that a 16K-token step takes seconds on a CPU, their widths are what the plan
+counts."""
 from __future__ import annotations
 
 import pytest
@@ -31,7 +32,7 @@ CASES = {
                                              dict(lora_rank=8, lora_targets=ATTN, gradient_checkpointing=False)),
     "llama_ulysses_full_tiled": (dict(SMALL, model_type="llama", num_key_value_heads=2), 2,
                                      dict(strategy="ulysses", tiled_mlp=1024)),
-    "gpt_neox_mha_ulysses_full": (dict(model_type="gpt_neox", hidden_size=128, intermediate_size=1024,
+    "gpt_neox_mha_ulysses_full": (dict(model_type="gpt_neox", hidden_size=64, intermediate_size=1024,
                                        num_hidden_layers=2, num_attention_heads=4, vocab_size=2048), 2,
                                   dict(strategy="ulysses")),
     "qwen3_moe_ring_lora_tiled": (dict(SMALL, model_type="qwen3_moe", num_key_value_heads=1, num_experts=4,
