@@ -131,6 +131,10 @@ class Ledger:
     where: str = "outside the model"
     regions: dict = dataclasses.field(default_factory=dict)
     alive: dict = dataclasses.field(default_factory=dict)  # live bytes by the part of the step that made them
+    # the model computes its loss itself from whole logits (not hfcp's chunked loss, whose frames name it): what runs
+    # after the head in forward, and in backward until the first parameter's gradient, is the loss's
+    model_loss: bool = False
+    _grads_started: bool = False
     _seen: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
 
     @property
@@ -165,10 +169,13 @@ class Ledger:
                     if part in name:
                         return kind
             frame = frame.f_back
+        if self.model_loss and not self._grads_started:
+            return "loss"
         return self.where if self.where in ("attention", "mlp", "loss") and _in_recompute() else "between blocks"
 
     def tag_gradient(self, tensor: torch.Tensor) -> None:
         """`tensor` is a parameter's gradient."""
+        self._grads_started = True
         entry = self._seen.get(tensor.untyped_storage())
         if entry is not None and not entry[2] and entry[0] != "gradients" and entry[1]:
             self.alive[entry[0]] -= entry[1]
@@ -324,11 +331,13 @@ class _DryMode(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def dry_step(model: torch.nn.Module, kernels: str = "cuda"):
+def dry_step(model: torch.nn.Module, kernels: str = "cuda", model_loss: bool = False):
     """Inside: the model's (meta) forward and backward run as a rank's would, counted in the yielded Ledger;
     decoder blocks name the part of the step they allocate in. kernels: "cuda" or "cpu", whose operators'
-    workspaces are counted (WORKSPACES, CPU_WORKSPACES)."""
-    ledger = Ledger()
+    workspaces are counted (WORKSPACES, CPU_WORKSPACES). model_loss: the model computes its loss from whole logits
+    (Ledger.model_loss)."""
+    ledger = Ledger(model_loss=model_loss)
+    after = "loss" if model_loss else "between blocks"
     for t in [*model.parameters(), *model.buffers()]:  # (made before the step: not the step's)
         ledger._seen[t.untyped_storage()] = ["before the step", 0, False]
     handles = []
@@ -343,7 +352,8 @@ def dry_step(model: torch.nn.Module, kernels: str = "cuda"):
         else:
             continue
         handles.append(module.register_forward_pre_hook(lambda *_, k=kind: setattr(ledger, "where", k)))
-        handles.append(module.register_forward_hook(lambda *_: setattr(ledger, "where", "between blocks")))
+        handles.append(module.register_forward_hook(
+            lambda *_, k=kind: setattr(ledger, "where", after if k == "loss" else "between blocks")))
     handles += [p.register_post_accumulate_grad_hook(lambda p: ledger.tag_gradient(p.grad))
                 for p in model.parameters() if p.requires_grad]
     try:

@@ -23,7 +23,8 @@ from ..memory.tiled_mlp import EXPERTS_NAME, tile_tokens
 from .alst import LOSS_SHARD_BYTES
 from .configs import load_config
 from .devices import GIB, Device, resolve_device
-from .trace import DTYPES, Setup, build, layer_period, trace
+from .tensor_parallel import check_narrowed, model_tp_plan, narrowed, rank_numel
+from .trace import DTYPES, Setup, build, layer_period, reduced, trace
 
 STRATEGIES = ("ring", "allgather", "ulysses", "usp")
 RING_TRACED = 4  # a ring's ranks hold the same bytes at any ring size: traced on this many ranks at most
@@ -123,22 +124,37 @@ class Plan:
 
 
 def _params(config, setup: Setup) -> Params:
+    """The parameters one rank holds (under TP its share of each, as the model's tp_plan shards it)."""
     model = build(config, setup)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = decoder_layers(base, config.num_hidden_layers) or []
+    held = _held(config, setup, model, layers)
     experts = 0
     for name, module in base.named_modules():
         if name.endswith(EXPERTS_NAME):
-            experts += sum(p.numel() for p in module.parameters())
+            experts += sum(held[id(p)] for p in module.parameters())
     top_k = getattr(config, "num_experts_per_tok", None)
     n_exp = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(held[id(p)] for p in model.parameters())
     active = total - experts + (experts * top_k // n_exp if top_k and n_exp else experts)
-    embed = base.get_input_embeddings().weight.numel()  # (a lookup: no multiply)
-    largest = max([sum(p.numel() for p in layer.parameters()) for layer in layers] + [embed])
+    embed = held[id(base.get_input_embeddings().weight)]  # (a lookup: no multiply)
+    largest = max([sum(held[id(p)] for p in layer.parameters()) for layer in layers] + [embed])
     attention = sum(1 for m in base.modules() if uses_attention_interface(m))  # (what exchanges K/V across ranks)
-    return Params(total, sum(p.numel() for p in model.parameters() if p.requires_grad), largest, active - embed,
-                  attention, DTYPES[setup.dtype].itemsize)
+    return Params(int(total), int(sum(held[id(p)] for p in model.parameters() if p.requires_grad)), int(largest),
+                  int(active - embed), attention, DTYPES[setup.dtype].itemsize)
+
+
+def _held(config, setup: Setup, model, layers: list) -> dict:
+    """id(parameter) -> the elements of it a rank holds: all, or under TP its share by the model's tp_plan, once
+    the narrowed config that the dry run traces is checked to hold exactly that share of every layer's parameter
+    (tensor_parallel.py)."""
+    if setup.tp == 1:
+        return {id(p): p.numel() for p in model.parameters()}
+    tp_plan = model_tp_plan(model)
+    first = next(n for n, m in model.named_modules() if m is layers[0])
+    small = reduced(config, layer_period(config))
+    check_narrowed(build(small, setup), build(narrowed(small, setup.tp), setup), setup.tp, first.rsplit(".", 1)[0])
+    return {id(p): rank_numel(name, p.numel(), tp_plan, setup.tp) for name, p in model.named_parameters()}
 
 
 def _attention_shape(config) -> tuple[int, int, int]:
@@ -236,7 +252,7 @@ def evaluate(config, setup: Setup, seq_len: int, device: Device, fitted: Fit, pa
 
     def step(tokens: float) -> tuple[float, dict]:
         parts, grads_peak = fitted.parts(tokens, layers)
-        parts = {k: v for k, v in parts.items() if v > 0}
+        parts = {(WHOLE_LOGITS if k == "loss chunk" and setup.tp > 1 else k): v for k, v in parts.items() if v > 0}
         grads_peak = min(grads_peak / shards, grads_total)
         at_act = fitted.act(tokens, layers) + grads_peak + gathered
         at_end = grads_total + gathered
@@ -263,9 +279,9 @@ def evaluate(config, setup: Setup, seq_len: int, device: Device, fitted: Fit, pa
     time_parts = _time(config, setup, seq_len, params, device, comm, fitted.host.at(n, layers / fitted.period))
     step_time = max(time_parts["compute"], time_parts["communication"]) if setup.strategy == "ring" \
         else time_parts["compute"] + time_parts["communication"]
-    step_time += time_parts.get("host transfers", 0.0)
-    layout = dict(cp_size=setup.cp, strategy=setup.strategy, ulysses_size=setup.ulysses_size, dp_shard=dp[0],
-                  dp_replicate=dp[1],
+    step_time += time_parts.get("host transfers", 0.0) + time_parts.get("tensor-parallel communication", 0.0)
+    layout = dict(cp_size=setup.cp, strategy=setup.strategy, ulysses_size=setup.ulysses_size, tp_size=setup.tp,
+                  dp_shard=dp[0], dp_replicate=dp[1],
                   sharded=sharded, batch_size=setup.batch, lora_rank=setup.lora_rank,
                   gradient_checkpointing=setup.checkpointing, tiled_mlp=setup.tiled_mlp,
                   offload_checkpoints=setup.offload_checkpoints, param_offload=param_offload,
@@ -289,6 +305,7 @@ def _longest(peak, memory: int) -> int:
     return lo
 
 
+WHOLE_LOGITS = "loss (the TP head's whole logits)"  # (under TP the loss is computed from them: no chunks)
 ADVICE = {
     "checkpoints (on device)": "offload_checkpoints=True, or a larger cp",
     "MLP working set": "tiled_mlp=True",
@@ -313,18 +330,37 @@ def _limit(parts: dict, setup: Setup) -> str:
         advice = "a larger cp"
     if name == "attention working set" and setup.strategy in ("ulysses", "usp"):
         advice = "a larger cp (each rank's queries and keys)"
+    if name == WHOLE_LOGITS:
+        advice = "a larger cp, or tp_size=1 (hfcp's chunked loss: the tensor-parallel head gathers whole logits)"
     return f"{name} ({parts[name] / GIB:.1f} GiB at twice the longest length): {advice}"
 
 
 def _comm(config, setup: Setup, seq_len: int, params: Params, dp: int, sharded: bool) -> float:
     heads, kv, head_dim = _attention_shape(config)
     e = DTYPES[setup.dtype].itemsize
-    per_layer = comm_bytes(setup.strategy, setup.batch, seq_len, heads, kv, head_dim, setup.cp, setup.ulysses_size, e,
-                           recompute=setup.checkpointing)
+    per_layer = comm_bytes(setup.strategy, setup.batch, seq_len, heads // setup.tp, kv // setup.tp, head_dim,
+                           setup.cp, setup.ulysses_size, e, recompute=setup.checkpointing)
     ranks = dp * setup.cp
     grads = params.trainable * e * 2 * (ranks - 1) / ranks  # all-reduce (or reduce-scatter + the gathers below)
     gathers = params.total * e * (ranks - 1) / ranks * (3 if setup.checkpointing else 2) if sharded else 0.0
-    return per_layer * params.attention_layers + grads + gathers
+    return per_layer * params.attention_layers + grads + gathers + _tp_comm(config, setup, seq_len)
+
+
+def _tp_comm(config, setup: Setup, seq_len: int) -> float:
+    """Bytes a rank sends for TP in a step: per layer and pass (forward, the recompute, backward) two all-reduces of
+    the rank's hidden states (after the attention's and the MLP's row-sharded projections; in backward, before their
+    column-sharded ones: Megatron's count), the embedding's all-reduce and the head's gather of the logits."""
+    tp = setup.tp
+    if tp == 1:
+        return 0.0
+    text = config.get_text_config()
+    e = DTYPES[setup.dtype].itemsize
+    tokens = setup.batch * seq_len / setup.cp
+    hidden = tokens * text.hidden_size * e
+    passes = 3 if setup.checkpointing else 2
+    all_reduce = 2 * (tp - 1) / tp
+    layers = 2 * passes * config.num_hidden_layers * hidden * all_reduce
+    return layers + hidden * all_reduce + tokens * text.vocab_size * e * (tp - 1) / tp
 
 
 def _time(config, setup: Setup, seq_len: int, params: Params, device: Device, comm: float, host: float) -> dict:
@@ -334,14 +370,18 @@ def _time(config, setup: Setup, seq_len: int, params: Params, device: Device, co
     passes = (3 if full else 2) + (1 if setup.checkpointing else 0)
     matmul = 2 * params.active * tokens * passes
     heads, _, head_dim = _attention_shape(config)
+    heads //= setup.tp  # (a TP rank's)
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     span = min(seq_len, window) if window else seq_len / 2  # keys a query sees on average (causal)
     attention = 4 * setup.batch * seq_len * span * heads * head_dim / setup.cp * (1 + 2.5 + (1 if setup.checkpointing
                                                                                              else 0))
     attention *= params.attention_layers
     out = {"compute": (matmul + attention) / device.peak_flops(setup.dtype)}
-    ring = setup.cp <= device.per_node
-    out["communication"] = comm / (device.link if ring else device.network)
+    ring = setup.cp * setup.tp <= device.per_node  # (TP groups are consecutive ranks; a CP group runs across them)
+    tp_comm = _tp_comm(config, setup, seq_len)  # (TP inside a node, not overlapped with the compute)
+    out["communication"] = (comm - tp_comm) / (device.link if ring else device.network)
+    if tp_comm:
+        out["tensor-parallel communication"] = tp_comm / device.link
     if host:
         out["host transfers"] = 2 * host / device.host_link
     return out
@@ -374,9 +414,11 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
-    if tp_size != 1 or pp_size != 1:
-        raise NotImplementedError(f"tp_size={tp_size}, pp_size={pp_size}: hfcp's plan does not model tensor or "
-                                  "pipeline parallelism yet (its dry run runs one CP group); plan tp_size=1, pp_size=1")
+    if pp_size != 1:
+        raise NotImplementedError(f"pp_size={pp_size}: hfcp's plan does not model pipeline stages yet (each stage's "
+                                  "microbatches in flight); plan pp_size=1")
+    if tp_size < 1:
+        raise ValueError(f"tp_size={tp_size} must be at least 1")
     if step not in ("hfcp", "alst"):
         raise ValueError(f"step={step!r} is not 'hfcp' or 'alst' (DeepSpeed ALST's step)")
     if step == "alst" and cp_size > 1 and (strategy != "ulysses" or ulysses_size is not None):
@@ -393,11 +435,15 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
         if value < 1:
             raise ValueError(f"{name}={value} must be at least 1")
     config, name = load_config(config)
+    if tp_size > 1:
+        _check_tensor_parallel(config, tp_size, step=step, lora_rank=lora_rank, tiled_mlp=tiled_mlp,
+                               offload_checkpoints=offload_checkpoints, param_offload=param_offload,
+                               optimizer_offload=optimizer_offload, sharded=sharded)
     setup = Setup(cp_size, strategy, ulysses_size, batch_size, lora_rank, tuple(lora_targets) if lora_targets else None,
                   gradient_checkpointing, tiled_mlp, offload_checkpoints, dtype,
-                  "cpu" if device.is_cpu else "cuda", step)
-    if sharded is None:
-        sharded = lora_rank is None and dp_shard * cp_size > 1
+                  "cpu" if device.is_cpu else "cuda", step, tp_size)
+    if sharded is None:  # (under TP transformers' replicas average the gradients: nothing sharded)
+        sharded = lora_rank is None and dp_shard * cp_size > 1 and tp_size == 1
     params = _params(config, setup)
     fitted = fit(config, setup)
     dp = (dp_shard, dp_replicate)
@@ -409,18 +455,50 @@ def plan(config, seq_len: int | None = None, cp_size: int = 2, strategy: str = "
                     optimizer_offload, name)
 
 
-def layouts(config, gpus: int) -> list[dict]:
-    """The CP layouts of `gpus` ranks hfcp can run for `config`: every cp dividing gpus (the rest data-parallel),
-    ring; ulysses where both head counts divide by cp; usp with the largest Ulysses group that divides both."""
+def _check_tensor_parallel(config, tp: int, **options) -> None:
+    """What hfcp runs under TP x CP (docs/how-to/scaling-out.md): a causal LM whose sequence mixers are all
+    attention, loaded with transformers' tp_plan, a full fine-tune in a loop of one's own, replicas averaging their
+    gradients; the plan plans that, and refuses the rest by name.
+
+    Raises:
+        ValueError: the option or model that hfcp's TP x CP does not run (verified), or a config without a tp_plan.
+    """
+    from ..families.registry import REGISTRY
+
+    if options.pop("step") != "hfcp":
+        raise ValueError(f"tp_size={tp} with step='alst': ALST's step has no tensor parallelism; plan tp_size=1")
+    unverified = [k for k, v in options.items() if v not in (None, False)]
+    if unverified:
+        raise ValueError(f"tp_size={tp} with {', '.join(f'{k}={options[k]!r}' for k in unverified)}: hfcp's TP x CP "
+                         "is verified for full fine-tunes in a loop of your own, gradients averaged over replicas "
+                         "(docs/how-to/scaling-out.md); plan tp_size=1, or without these")
+    patcher = REGISTRY.get(config.model_type)
+    if patcher is not None and (patcher.mixers or patcher.language_model or patcher.embeddings_classes):
+        what = "recurrent or convolution layers" if patcher.mixers else "a vision or vision-language model"
+        raise ValueError(f"tp_size={tp}: {config.model_type} ({what}) is refused tensor-parallel by hfcp.patch "
+                         "(unverified); plan tp_size=1")
+    if not getattr(config.get_text_config(), "base_model_tp_plan", None):
+        raise ValueError(f"tp_size={tp}: transformers has no tensor-parallel plan for model_type "
+                         f"{config.model_type!r}; plan tp_size=1")
+    narrowed(config, tp)  # (raises for heads or widths that do not divide)
+
+
+def layouts(config, gpus: int, tp_sizes=(1,)) -> list[dict]:
+    """The CP layouts of `gpus` ranks hfcp can run for `config`: for each TP size of `tp_sizes` that divides gpus and
+    both head counts, every cp dividing the rest (the rest of that data-parallel), ring; ulysses where both head
+    counts a TP rank has divide by cp; usp with the largest Ulysses group that divides both."""
     heads, kv, _ = _attention_shape(config)
     out = []
-    for cp in [c for c in range(2, gpus + 1) if gpus % c == 0]:
-        out.append(dict(cp_size=cp, strategy="ring", dp_shard=gpus // cp))
-        if heads % cp == 0 and kv % cp == 0:
-            out.append(dict(cp_size=cp, strategy="ulysses", dp_shard=gpus // cp))
-        u = max(d for d in range(1, cp + 1) if cp % d == 0 and heads % d == 0 and kv % d == 0)
-        if 1 < u < cp:
-            out.append(dict(cp_size=cp, strategy="usp", ulysses_size=u, dp_shard=gpus // cp))
+    for tp in (t for t in tp_sizes if gpus % t == 0 and heads % t == 0 and kv % t == 0):
+        ranks, h, k = gpus // tp, heads // tp, kv // tp
+        tensor = {"tp_size": tp} if tp > 1 else {}
+        for cp in [c for c in range(2, ranks + 1) if ranks % c == 0]:
+            out.append(dict(cp_size=cp, strategy="ring", dp_shard=ranks // cp, **tensor))
+            if h % cp == 0 and k % cp == 0:
+                out.append(dict(cp_size=cp, strategy="ulysses", dp_shard=ranks // cp, **tensor))
+            u = max(d for d in range(1, cp + 1) if cp % d == 0 and h % d == 0 and k % d == 0)
+            if 1 < u < cp:
+                out.append(dict(cp_size=cp, strategy="usp", ulysses_size=u, dp_shard=ranks // cp, **tensor))
     return out
 
 
@@ -433,14 +511,24 @@ def search(config, gpus: int, seq_len: int | None = None, top: int = 10, **kwarg
     seq_len, those that fit, fastest first (the roofline estimate); without, the longest max_seq_len first."""
     config, _ = load_config(config)
     plans = []
-    for layout in layouts(config, gpus):
-        for options in OPTIONS:
+    for layout in layouts(config, gpus, _tp_sizes(config, resolve_device(kwargs.get("device", "h100-80gb")), kwargs)):
+        for options in OPTIONS if "tp_size" not in layout else OPTIONS[:1]:  # (TP x CP: without tiles or offload)
             plans.append(plan(config, seq_len=seq_len, **{**kwargs, **layout, **options}))
     if seq_len is not None:
         plans = sorted((p for p in plans if p.fits), key=lambda p: p.step_time_s)
     else:
         plans.sort(key=lambda p: -p.max_seq_len)
     return plans[:top]
+
+
+def _tp_sizes(config, device: Device, kwargs: dict) -> tuple:
+    """1, and the TP sizes within a node (2, 4, 8) where hfcp runs TP x CP for the config and the options."""
+    options = {k: kwargs.get(k) for k in ("lora_rank", "param_offload", "optimizer_offload", "sharded")}
+    try:
+        _check_tensor_parallel(config, 2, step="hfcp", tiled_mlp=False, offload_checkpoints=False, **options)
+    except ValueError:
+        return (1,)
+    return (1, *(t for t in (2, 4, 8) if t <= device.per_node))
 
 
 def table(plans: list[Plan]) -> str:
@@ -450,6 +538,7 @@ def table(plans: list[Plan]) -> str:
         lay = p.layout
         name = f"cp {lay['cp_size']} {lay['strategy']}" + (f" (ulysses {lay['ulysses_size']})" if lay["ulysses_size"]
                                                              else "") + f", dp {lay['dp_shard']}"
+        name += f", tp {lay['tp_size']}" if lay.get("tp_size", 1) > 1 else ""
         name += "".join(f", {k}" for k in ("tiled_mlp", "offload_checkpoints", "param_offload", "optimizer_offload")
                         if lay.get(k))
         rows.append(f"{name:62s} {p.peak_bytes / GIB:9.1f} {p.max_seq_len:12,d} {p.step_time_s:8.2f}")

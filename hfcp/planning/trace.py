@@ -11,6 +11,7 @@ import torch
 
 from . import alst
 from .dry_run import dry_step, dry_world
+from .tensor_parallel import head_is_sharded, narrowed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -30,6 +31,7 @@ class Setup:
     dtype: str = "bf16"
     kernels: str = "cuda"  # whose operators' workspaces count ("cpu" for a CPU plan)
     step: str = "hfcp"  # whose step: hfcp's, or DeepSpeed ALST's (alst.py)
+    tp: int = 1  # tensor-parallel ranks: a TP rank's step is traced (tensor_parallel.py)
 
 
 @dataclasses.dataclass
@@ -107,6 +109,8 @@ def trace(config, setup: Setup, layers: int, local_tokens: int) -> Trace:
     started = time.perf_counter()
     seq_len = local_tokens * setup.cp
     config = reduced(config, layers)
+    if setup.tp > 1:  # (a TP rank's heads and MLP width)
+        config = narrowed(config, setup.tp)
     if getattr(config, "max_position_embeddings", seq_len) < seq_len:
         config.max_position_embeddings = seq_len
     ids = torch.randint(0, config.vocab_size, (setup.batch, seq_len), generator=torch.Generator().manual_seed(0))
@@ -120,9 +124,11 @@ def trace(config, setup: Setup, layers: int, local_tokens: int) -> Trace:
                     loss.backward()
                     del loss
         else:
+            # (a vocabulary-sharded head under TP gathers its logits: hfcp computes the loss from them, unchunked)
+            chunk = None if setup.tp > 1 and head_is_sharded(model) else "auto"
             patch(model, strategy=setup.strategy, ulysses_size=setup.ulysses_size, check_inputs=False,
-                  tiled_mlp=setup.tiled_mlp, offload_checkpoints=setup.offload_checkpoints)
-            with dry_step(model, setup.kernels) as ledger:
+                  tiled_mlp=setup.tiled_mlp, offload_checkpoints=setup.offload_checkpoints, loss_chunk=chunk)
+            with dry_step(model, setup.kernels, model_loss=chunk is None) as ledger:
                 out = model(input_ids=ids, labels=ids, use_cache=False)
                 ledger.phase = "backward"
                 out.loss.backward()

@@ -109,3 +109,20 @@ def test_device_mesh_refusals(pool2, kind, message):
 
 def test_unpatched_tensor_parallel_model_shards_data_by_tp_group(pool4, checkpoints):
     assert pool4.run(W.unpatched_tp_coordinates, checkpoints[4]) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("model", [4, 8, "mixtral"])
+def test_the_plan_counts_what_a_tensor_parallel_rank_holds(pool4, checkpoints, model):
+    """hfcp.plan's parameters of a TP rank (read from the model's tp_plan, the narrowed layers the dry run traces
+    checked against it) are what transformers' tensor parallelism gives each rank, embedding and head included."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    from hfcp.planning.trace import Setup
+
+    plan = importlib.import_module("hfcp.planning.plan")
+    config = AutoConfig.from_pretrained(checkpoints[model])
+    want = plan._params(config, Setup(2, dtype="fp32", tp=2)).total
+    assert want < plan._params(config, Setup(2, dtype="fp32")).total
+    assert pool4.run(W.rank_parameter_elements, checkpoints[model]) == [want] * 4

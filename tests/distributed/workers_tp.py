@@ -183,3 +183,15 @@ def unpatched_tp_coordinates(path: str):
         path, attn_implementation="sdpa", distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2))
     hfcp.patch(model, cp_size=1)
     return hfcp.data_parallel_rank_and_size(model)
+
+
+def rank_parameter_elements(path: str) -> int:
+    """The parameter elements this rank holds of the checkpoint loaded tensor-parallel (tp 2, as tp_x_cp_step
+    loads it): its local shard of each DTensor, the whole of the rest."""
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2))
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())

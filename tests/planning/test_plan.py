@@ -3,7 +3,9 @@ agrees with the plan's fit and sends what the communication model counts; the sh
 search and the refusals."""
 from __future__ import annotations
 
+import importlib
 import json
+from types import SimpleNamespace
 
 import pytest
 import transformers
@@ -77,7 +79,13 @@ def test_the_shipped_configs_build_the_published_models():
     (dict(seq_len=1001, cp_size=2), "seq_len=1001 must be a multiple of cp_size=2"),
     (dict(strategy="zigzag"), "strategy='zigzag'"),
     (dict(strategy="usp", cp_size=4), "needs ulysses_size dividing cp_size=4"),
-    (dict(tp_size=2), "tp_size=2"),
+    (dict(tp_size=0), "tp_size=0 must be at least 1"),
+    (dict(tp_size=3), "num_attention_heads=4 does not divide over tp_size=3"),
+    (dict(tp_size=2, lora_rank=8), "tp_size=2 with lora_rank=8: hfcp's TP x CP is verified for full fine-tunes"),
+    (dict(tp_size=2, tiled_mlp=True, optimizer_offload=True), "with tiled_mlp=True, optimizer_offload=True"),
+    (dict(tp_size=2, sharded=True), "with sharded=True"),
+    (dict(tp_size=2, step="alst", strategy="ulysses"), "ALST's step has no tensor parallelism"),
+    (dict(pp_size=2), "pp_size=2: hfcp's plan does not model pipeline stages"),
     (dict(device="h100"), None),
     (dict(device="tpu-v5"), "device='tpu-v5'"),
     (dict(device={"memory": 3}), "device spec field 'memory'"),
@@ -187,3 +195,53 @@ def test_alsts_step_refuses_what_alst_does_not_tile_or_exchange():
                    num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128)
     with pytest.raises(ValueError, match="no attention that ALST's"):
         hfcp.plan(hybrid, cp_size=2, strategy="ulysses", step="alst", device="cpu")
+
+
+def test_a_tensor_parallel_rank_plans_its_share_of_the_weights_and_the_whole_logits():
+    """Under TP a rank holds its share of every sharded weight (the norms whole) and of the heads, and, the head
+    being sharded over the vocabulary, hfcp computes the loss from the gathered whole logits, which the dry run
+    traces (the model's own loss): at 8,192 tokens a rank, bf16 logits and their fp32 copy at least."""
+    config, n = small(2, hidden_size=512, intermediate_size=1024, vocab_size=8192), 16384
+    one = hfcp.plan(config, seq_len=n, cp_size=2, sharded=False)
+    two = hfcp.plan(config, seq_len=n, cp_size=2, tp_size=2)
+    assert two.layout["tp_size"] == 2 and not two.layout["sharded"]
+    assert 0.5 < two.breakdown["weights"] / one.breakdown["weights"] < 0.502
+    whole = "loss (the TP head's whole logits)"
+    assert two.breakdown[whole] >= n // 2 * config.vocab_size * (2 + 4) and two.step_bytes > 2 * one.step_bytes, two
+    assert whole in two.limit and "tp_size=1" in two.limit
+    assert two.time_parts["tensor-parallel communication"] > 0 and two.comm_bytes_per_step > one.comm_bytes_per_step
+
+
+def test_tensor_parallelism_is_refused_where_hfcp_does_not_run_it_or_cannot_trace_it():
+    with pytest.raises(ValueError, match="qwen3_next .recurrent or convolution layers. is refused tensor-parallel"):
+        hfcp.plan(transformers.AutoConfig.for_model("qwen3_next"), tp_size=2)
+    # OLMo-2's q_norm spans every head, whole on a TP rank: the narrowed config the dry run would trace differs
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_norm.weight: a tensor-parallel rank holds 256 "):
+        hfcp.plan(transformers.AutoConfig.for_model(**{**workers_plan.SMALL, "model_type": "olmo2"},
+                                                    num_hidden_layers=2), tp_size=2, seq_len=4096)
+
+
+def test_the_search_ranks_tensor_parallel_layouts_of_a_full_fine_tune(monkeypatch):
+    config = small(2, num_key_value_heads=2)
+    assert [(x["cp_size"], x["strategy"], x.get("tp_size", 1)) for x in hfcp.planning.layouts(config, 8, (1, 2, 4))] \
+        == [(2, "ring", 1), (2, "ulysses", 1), (4, "ring", 1), (4, "usp", 1), (8, "ring", 1), (8, "usp", 1),
+            (2, "ring", 2), (4, "ring", 2)]  # (a TP rank of 2 has one KV head: no ulysses; 2 KV heads: no tp 4)
+    planned = []  # (what the search plans: each layout with each option, TP x CP's without tiles or offload)
+    plan_module = importlib.import_module("hfcp.planning.plan")
+    monkeypatch.setattr(plan_module, "plan", lambda config, **kw: planned.append(kw) or SimpleNamespace(
+        max_seq_len=kw.get("tp_size", 1), fits=True, step_time_s=1.0))
+    assert [p.max_seq_len for p in plan_module.search(config, 4, top=100)][:2] == [2, 1]  # (longest first)
+    tensor = [kw for kw in planned if kw.get("tp_size")]
+    assert [(kw["cp_size"], kw["tp_size"]) for kw in tensor] == [(2, 2)] and len(planned) == 4 * 3 + 1
+    assert not tensor[0].get("tiled_mlp") and not tensor[0].get("offload_checkpoints")
+    plan_module.search(config, 4, lora_rank=8)  # (LoRA: hfcp's TP x CP is verified for full fine-tunes)
+    assert not [kw for kw in planned[13:] if kw.get("tp_size")] and len(planned) == 13 + 12
+
+
+def test_the_command_plans_tensor_parallelism_and_refuses_what_hfcp_does_not_run(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    small(2).to_json_file(str(path))
+    assert main(["plan", str(path), "--cp-size", "2", "--tp-size", "2", "--seq-len", "4096", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["tp_size"] == 2
+    assert main(["plan", str(path), "--cp-size", "2", "--tp-size", "2", "--lora-rank", "8"]) == 2
+    assert "hfcp plan: error: tp_size=2 with lora_rank=8" in capsys.readouterr().err
