@@ -150,6 +150,9 @@ def _held(config, setup: Setup, model, layers: list) -> dict:
     (tensor_parallel.py)."""
     if setup.tp == 1:
         return {id(p): p.numel() for p in model.parameters()}
+    if not layers:
+        raise ValueError(f"tp_size={setup.tp}: hfcp's plan finds no decoder layers in {type(model).__name__} to check "
+                         "the narrowed config against its tp_plan; plan tp_size=1")
     tp_plan = model_tp_plan(model)
     first = next(n for n, m in model.named_modules() if m is layers[0])
     small = reduced(config, layer_period(config))
