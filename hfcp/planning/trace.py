@@ -129,10 +129,12 @@ def trace(config, setup: Setup, layers: int, local_tokens: int) -> Trace:
             patch(model, strategy=setup.strategy, ulysses_size=setup.ulysses_size, check_inputs=False,
                   tiled_mlp=setup.tiled_mlp, offload_checkpoints=setup.offload_checkpoints, loss_chunk=chunk)
             with dry_step(model, setup.kernels, model_loss=chunk is None) as ledger:
-                out = model(input_ids=ids, labels=ids, use_cache=False)
+                # (the output dropped before backward, as the Trainer's training_step and a loop that keeps only the
+                # loss drop it: whole logits, where the loss is computed from them, are not held through backward)
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
                 ledger.phase = "backward"
-                out.loss.backward()
-                del out
+                loss.backward()
+                del loss
         grads_end = ledger.grads
     return Trace(layers, local_tokens, ledger.peak, ledger.regions, grads_end, ledger.host_peak, ledger.sent,
                  ledger.collectives, time.perf_counter() - started)

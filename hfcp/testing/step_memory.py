@@ -16,7 +16,6 @@ def measure_steps(config_dict: dict, seq_lens: list[int], strategy: str = "ring"
     """The worst rank's peak RSS growth (bytes) of a step at each length of `seq_lens` (after one warm-up step at
     the first: what a first step allocates once, the host's heap grown for that length's small tensors included, is
     not a step's), on the calling group's ranks."""
-    import torch.distributed as dist
     import transformers
 
     import hfcp
@@ -35,11 +34,39 @@ def measure_steps(config_dict: dict, seq_lens: list[int], strategy: str = "ring"
     model.train()
     hfcp.patch(model, strategy=strategy, ulysses_size=ulysses_size, check_inputs=False, tiled_mlp=tiled_mlp,
                offload_checkpoints=offload_checkpoints)
+    return _worst_growth(model, config.vocab_size, seq_lens)
+
+
+def measure_tensor_parallel_steps(path: str, seq_lens: list[int], tp: int) -> list[int]:
+    """measure_steps' figures for the checkpoint at `path` loaded tensor-parallel over tp consecutive ranks
+    (transformers' DistributedConfig), CP over the rest of the group's ranks (hfcp.patch's cp_size), a full
+    fine-tune with gradient checkpointing."""
+    import torch.distributed as dist
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    import hfcp
+
+    fix_mmap_threshold()
+    cp = dist.get_world_size() // tp
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", distributed_config=DistributedConfig(tp_size=tp, dp_replicate_size=cp))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    hfcp.patch(model, cp_size=cp, check_inputs=False)
+    return _worst_growth(model, model.config.vocab_size, seq_lens)
+
+
+def _worst_growth(model, vocab_size: int, seq_lens: list[int]) -> list[int]:
+    """The worst rank's peak RSS growth of a step at each length, after a warm-up step at the first (the output
+    dropped before backward, as the Trainer drops it); the model unpatched after."""
+    import torch.distributed as dist
+
+    import hfcp
 
     def step(seq_len: int) -> None:
-        ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
-        out = model(input_ids=ids, labels=ids, use_cache=False)
-        out.loss.backward()
+        ids = torch.randint(0, vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
     step(seq_lens[0])
     worst = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from hfcp.testing.dist_pool import DistPool, map_in_processes
-from hfcp.testing.step_memory import measure_steps, plan_case
+from hfcp.testing.step_memory import measure_steps, measure_tensor_parallel_steps, plan_case
 
 LENGTHS = [8192, 16384]
 TOLERANCE = 0.10
@@ -79,3 +79,23 @@ def test_plan_step_bytes_match_the_measured_step(name, measuring, plans):
         print(f"{name} {n}: plan {p / 2**20:.1f} MB, measured {m / 2**20:.1f} MB")
     for n, p, m in zip(LENGTHS, plans[name], measured):
         assert abs(p - m) <= TOLERANCE * m, (name, n, p, m)
+
+
+TP_LENGTHS = [4096, 8192]  # (four ranks on the two cores: half the lengths above)
+
+
+def test_plan_step_bytes_match_a_tensor_parallel_step(measuring, tmp_path):
+    """tp 2 x cp 2 on 4 ranks: the model loaded tensor-parallel by transformers (DTensor weights, the head gathering
+    its logits), hfcp's CP across the TP groups, a full fine-tune; the plan traces a TP rank's narrowed step and the
+    loss from the whole logits (hfcp.planning.tensor_parallel)."""
+    import torch
+    import transformers
+
+    config = dict(SMALL, model_type="llama", num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).save_pretrained(tmp_path)
+    measured = measuring(4).run(measure_tensor_parallel_steps, str(tmp_path), TP_LENGTHS, 2, timeout=600)[0]
+    planned = plan_case((config, 2, dict(tp_size=2)), TP_LENGTHS)
+    for n, p, m in zip(TP_LENGTHS, planned, measured):
+        print(f"tp 2 x cp 2 {n}: plan {p / 2**20:.1f} MB, measured {m / 2**20:.1f} MB")
+        assert abs(p - m) <= TOLERANCE * m, (n, p, m)
