@@ -279,7 +279,7 @@ class PipelineRunner:
                                   for p in params]  # (every gradient, then which ranks had one)
                                  + [torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)])
                 dist.all_reduce(flat, group=self._groups["stage"])
-                had = flat[-len(params):]
+                had = flat[-len(params):].tolist()  # (one device-to-host copy, not one per parameter)
                 for p, g, n in zip(params, flat[:-len(params)].split([p.numel() for p in params]), had):
                     p.grad = (g / self._stride).view_as(p).to(p.dtype) if n > 0 else None  # (no rank's: none)
             tied = self._tied
