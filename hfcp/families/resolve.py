@@ -261,14 +261,25 @@ def _loss_chunk(inner: PreTrainedModel, head: str, setting):
     return chunk, transform
 
 
+def tensor_parallel_unverified(patcher: Patcher) -> str | None:
+    """What keeps hfcp from running the family's model tensor-parallel ("recurrent or convolution layers", "a
+    vision-language model", "a vision model": its TP x CP is verified for causal LMs whose sequence mixers are all
+    attention), or None."""
+    if patcher.mixers:
+        return "recurrent or convolution layers"
+    if patcher.language_model:
+        return "a vision-language model"
+    return "a vision model" if patcher.embeddings_classes else None
+
+
 def _check_tensor_parallel(inner, patcher: Patcher, tp_ranks, mesh_tp) -> None:
     if mesh_tp is not None and mesh_tp != tp_ranks:  # TP that hfcp cannot read (torch's parallelize_module), or another
         raise ValueError(f"device_mesh has a 'tp' dimension over ranks {mesh_tp}, but {type(inner).__name__}'s "
                          f"tensor-parallel group is {tp_ranks or 'none (transformers records no tp_size)'}: hfcp reads "
                          "TP from transformers (tp_plan / DistributedConfig); load the model with it over that mesh")
-    if tp_ranks is not None and (patcher.mixers or patcher.language_model or patcher.embeddings_classes):
-        what = ("it has recurrent or convolution layers" if patcher.mixers else
-                "a vision-language model" if patcher.language_model else "a vision model")
+    what = tensor_parallel_unverified(patcher)
+    if tp_ranks is not None and what is not None:
+        what = f"it has {what}" if patcher.mixers else what
         raise ValueError(f"{type(inner).__name__} ({what}) is loaded tensor-parallel (tp_size={len(tp_ranks)}): "
                          "hfcp's TP x CP is verified for causal LMs whose sequence mixers are all attention; load it "
                          "without tp_plan / DistributedConfig")

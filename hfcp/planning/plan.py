@@ -72,6 +72,7 @@ class Fit:
     period: int
     regions: dict  # part -> (Line of its activations' peak, {component: Line}, gradients alive then)
     host: Line
+    whole_logits: bool = False  # the traced loss is computed from whole logits (Trace.whole_logits)
 
     def peak_region(self, n: float, layers: int) -> str:
         return max(self.regions, key=lambda r: self.regions[r][0].at(n, layers / self.period))
@@ -223,7 +224,7 @@ def _fit(config, traced: Setup) -> Fit:
         parts = {name: _line(*(sum(v for w, v in r.alive.items() if _category(w) == name) for r in (ra, rb, rc)),
                              n1, n2) for name in names}
         regions[key] = (_line(ra.act, rb.act, rc.act, n1, n2), parts, rb.grads)
-    return Fit(p, regions, _line(a.host_peak, b.host_peak, c.host_peak, n1, n2))
+    return Fit(p, regions, _line(a.host_peak, b.host_peak, c.host_peak, n1, n2), a.whole_logits)
 
 
 def _static(params: Params, setup: Setup, shards: int, param_offload: bool, optimizer_offload: bool) -> dict:
@@ -255,7 +256,8 @@ def evaluate(config, setup: Setup, seq_len: int, device: Device, fitted: Fit, pa
 
     def step(tokens: float) -> tuple[float, dict]:
         parts, grads_peak = fitted.parts(tokens, layers)
-        parts = {(WHOLE_LOGITS if k == "loss chunk" and setup.tp > 1 else k): v for k, v in parts.items() if v > 0}
+        parts = {(WHOLE_LOGITS if k == "loss chunk" and fitted.whole_logits else k): v for k, v in parts.items()
+                 if v > 0}
         grads_peak = min(grads_peak / shards, grads_total)
         at_act = fitted.act(tokens, layers) + grads_peak + gathered
         at_end = grads_total + gathered
@@ -467,6 +469,7 @@ def _check_tensor_parallel(config, tp: int, **options) -> None:
         ValueError: the option or model that hfcp's TP x CP does not run (verified), or a config without a tp_plan.
     """
     from ..families.registry import REGISTRY
+    from ..families.resolve import tensor_parallel_unverified
 
     if options.pop("step") != "hfcp":
         raise ValueError(f"tp_size={tp} with step='alst': ALST's step has no tensor parallelism; plan tp_size=1")
@@ -476,8 +479,8 @@ def _check_tensor_parallel(config, tp: int, **options) -> None:
                          "is verified for full fine-tunes in a loop of your own, gradients averaged over replicas "
                          "(docs/how-to/scaling-out.md); plan tp_size=1, or without these")
     patcher = REGISTRY.get(config.model_type)
-    if patcher is not None and (patcher.mixers or patcher.language_model or patcher.embeddings_classes):
-        what = "recurrent or convolution layers" if patcher.mixers else "a vision or vision-language model"
+    what = tensor_parallel_unverified(patcher) if patcher is not None else None
+    if what is not None:
         raise ValueError(f"tp_size={tp}: {config.model_type} ({what}) is refused tensor-parallel by hfcp.patch "
                          "(unverified); plan tp_size=1")
     if not getattr(config.get_text_config(), "base_model_tp_plan", None):

@@ -111,7 +111,8 @@ def check_narrowed(full, narrow, tp: int, layer_prefix: str) -> None:
         want = rank_numel(name, p.numel(), tp_plan, tp)
         got = mine[name].numel() if name in mine else None
         if got != want:
+            gives = f"{got:,}" if got is not None else "no such parameter"
             raise ValueError(f"{name}: a tensor-parallel rank holds {want:,.0f} of its {p.numel():,} elements under "
                              f"transformers' tp_plan ({style_of(name, tp_plan)!r}), but the config narrowed by "
-                             f"hfcp's plan ({', '.join(NARROWED)} / {tp}) gives {got:,}: hfcp's plan cannot trace this "
+                             f"hfcp's plan ({', '.join(NARROWED)} / {tp}) gives {gives}: hfcp's plan cannot trace this "
                              "family's TP step; plan tp_size=1")

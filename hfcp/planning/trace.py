@@ -45,6 +45,7 @@ class Trace:
     sent: float  # bytes the rank sent (dry_run.Ledger.collective)
     collectives: dict
     seconds: float
+    whole_logits: bool = False  # the loss computed from whole logits (a tensor-parallel head gathers them)
 
 
 def layer_period(config) -> int:
@@ -137,7 +138,7 @@ def trace(config, setup: Setup, layers: int, local_tokens: int) -> Trace:
                 del loss
         grads_end = ledger.grads
     return Trace(layers, local_tokens, ledger.peak, ledger.regions, grads_end, ledger.host_peak, ledger.sent,
-                 ledger.collectives, time.perf_counter() - started)
+                 ledger.collectives, time.perf_counter() - started, ledger.model_loss)
 
 
 def dry_run(config, seq_len: int, cp_size: int, strategy: str = "ring", ulysses_size: int | None = None,
