@@ -9,7 +9,7 @@ HFCP = ROOT / "hfcp"
 
 # bottom first: a part may import the parts before it
 LAYERS = ["compiler", "layout", "state", "distributed", "attention", "loss", "families", "mixers", "memory",
-          "inference", "hooks", "outputs", "report", "api", "planning", "testing", "commands", "pipelining",
+          "inference", "hooks", "outputs", "report", "api", "pipelining", "planning", "testing", "commands",
           "integrations"]
 
 LOOSE_MODULES = {"api.py", "compiler.py", "report.py", "state.py"}  # hfcp/*.py besides __init__.py: at most 5

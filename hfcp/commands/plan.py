@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dp-shard", type=int, default=1)
     p.add_argument("--dp-replicate", type=int, default=1)
     p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--pp-size", type=int, default=1)
+    p.add_argument("--pp-size", type=int, default=1, help="hfcp.pipeline's stages")
+    p.add_argument("--n-microbatches", type=int, default=1, help="a pipeline's microbatches (they divide the rows)")
+    p.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe"], help="a pipeline's schedule")
     p.add_argument("--batch-size", type=int, default=1, help="rows per data-parallel rank")
     p.add_argument("--lora-rank", type=int, help="LoRA of this rank (default: a full fine-tune)")
     p.add_argument("--lora-targets", nargs="+",
@@ -58,7 +60,8 @@ def run(args, error) -> int:
         if args.gpus and args.step != "hfcp":
             raise ValueError(f"--gpus ranks hfcp's layouts; --step {args.step} plans one layout (pass --cp-size)")
         if args.gpus:
-            plans = search(args.config, args.gpus, seq_len=args.seq_len, **kwargs)
+            plans = search(args.config, args.gpus, seq_len=args.seq_len, n_microbatches=args.n_microbatches,
+                           schedule=args.schedule, **kwargs)
             if args.json:
                 print(json.dumps([json.loads(p.to_json()) for p in plans]))
                 return 0
@@ -71,7 +74,8 @@ def run(args, error) -> int:
             return 0
         p = plan(args.config, seq_len=args.seq_len, cp_size=args.cp_size, strategy=args.strategy,
                  ulysses_size=args.ulysses_size, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate,
-                 tp_size=args.tp_size, pp_size=args.pp_size, tiled_mlp=args.tiled_mlp,
+                 tp_size=args.tp_size, pp_size=args.pp_size, n_microbatches=args.n_microbatches,
+                 schedule=args.schedule, tiled_mlp=args.tiled_mlp,
                  offload_checkpoints=args.offload_checkpoints, step=args.step, **kwargs)
     except (ValueError, FileNotFoundError, NotImplementedError, ImportError) as e:
         print(f"hfcp plan: error: {e}", file=sys.stderr)

@@ -36,7 +36,7 @@ class PipelineRunner:
         self._stride = self.dp * self.cp  # ranks between one stage's rank and the next stage's
         self._record = None  # the microbatch whose forward runs now: what its stage received
         self._pending = []  # sends not posted yet: (tensor, peer, tag), posted with the next receive from that peer
-        self._sends = []  # posted sends: (work, tensor), waited for at the end of the step
+        self._sends = []  # posted sends: (work, tensor) until they complete, the rest waited for at the step's end
 
     # ---- what a training loop calls ---------------------------------------------------------------------------
     def named_parameters(self):
@@ -195,10 +195,19 @@ class PipelineRunner:
     def _post_sends(self, keep_for: int | None = None) -> None:
         """Post the pending sends, but those to `keep_for` (they go with the next receive from it)."""
         kept = [s for s in self._pending if s[1] == keep_for]
+        done = [w for w, _ in self._sends if self._sent(w)]
+        for work in done:
+            work.wait()  # (at once: a completed send; a failed one raises here)
+        self._sends = [(w, t) for w, t in self._sends if not any(w is d for d in done)]  # (a sent tensor released)
         for tensor, peer, tag in self._pending:
             if peer != keep_for:
                 self._sends.append((dist.isend(tensor, peer, tag=tag), tensor))  # (kept alive until sent)
         self._pending = kept
+
+    @staticmethod
+    def _sent(work) -> bool:
+        """Whether a posted send has completed (its tensor no longer needed)."""
+        return work.is_completed()
 
     def _receive(self, like: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
         """A tensor shaped like `like` from `peer`, received together with the pending sends to that peer."""
@@ -271,17 +280,58 @@ class PipelineRunner:
 
     def _reduce_gradients(self) -> None:
         """This step's gradients: the mean over the stage's dp x cp ranks, then a tied weight's summed over its two
-        stages (the first and the last)."""
+        stages (the first and the last). The mean is taken in fp32 a bucket of REDUCE_BUCKET elements at a time
+        (slices of a larger gradient included), each written back into its gradient: beside the gradients the
+        reduction holds one bucket, not an fp32 copy of them all."""
         with torch.no_grad():
-            if self._stride > 1:
-                params = [p for p in self._mine.values() if p.requires_grad]
-                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                                  for p in params]  # (every gradient, then which ranks had one)
-                                 + [torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)])
-                dist.all_reduce(flat, group=self._groups["stage"])
-                had = flat[-len(params):].tolist()  # (one device-to-host copy, not one per parameter)
-                for p, g, n in zip(params, flat[:-len(params)].split([p.numel() for p in params]), had):
-                    p.grad = (g / self._stride).view_as(p).to(p.dtype) if n > 0 else None  # (no rank's: none)
+            params = [p for p in self._mine.values() if p.requires_grad]
+            if self._stride > 1 and params:
+                for p, some in zip(params, self._gradient_somewhere(params)):
+                    if not some:
+                        p.grad = None  # (no rank of the stage has one: none, as without pipelining)
+                    elif p.grad is None:
+                        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)  # (another rank has
+                        # one: this rank adds zeros)
+                    elif not p.grad.is_contiguous():
+                        p.grad = p.grad.contiguous()
+                for bucket in _buckets([p.grad for p in params if p.grad is not None], REDUCE_BUCKET):
+                    flat = torch.empty(sum(b - a for _, a, b in bucket), dtype=torch.float32,
+                                       device=bucket[0][0].device)
+                    pieces = flat.split([b - a for _, a, b in bucket])
+                    for (g, a, b), piece in zip(bucket, pieces):
+                        piece.copy_(g.view(-1)[a:b])
+                    dist.all_reduce(flat, group=self._groups["stage"])
+                    flat /= self._stride
+                    for (g, a, b), piece in zip(bucket, pieces):
+                        g.view(-1)[a:b].copy_(piece)
+                    del flat, pieces
             tied = self._tied
             if tied is not None and tied.grad is not None:
                 dist.all_reduce(tied.grad, group=self._groups["tied"])
+
+    def _gradient_somewhere(self, params: list) -> list[bool]:
+        """For each parameter, whether any rank of the stage has a gradient of it (a mixture's expert that no token
+        of this rank chose has none here): one small all-reduce and one device-to-host read."""
+        had = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+        dist.all_reduce(had, group=self._groups["stage"])
+        return [n > 0 for n in had.tolist()]
+
+
+REDUCE_BUCKET = 2 ** 24  # fp32 elements (64 MiB) the gradient reduction holds at once beside the gradients
+
+
+def _buckets(grads: list, size: int) -> list[list[tuple]]:
+    """(gradient, start, stop) slices of the flattened gradients, in order, grouped into buckets of at most `size`
+    elements (a gradient larger than a bucket is cut into slices)."""
+    out, bucket, room = [], [], size
+    for g in grads:
+        start, n = 0, g.numel()
+        while start < n:
+            stop = min(n, start + room)
+            bucket.append((g, start, stop))
+            room -= stop - start
+            start = stop
+            if room == 0:
+                out.append(bucket)
+                bucket, room = [], size
+    return out + ([bucket] if bucket else [])

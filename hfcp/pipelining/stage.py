@@ -69,10 +69,11 @@ def _receiving(receive):
 
 
 def _zeros_like_embeddings(embeddings):
-    width, dtype = embeddings.embedding_dim, embeddings.weight.dtype
+    width, weight = embeddings.embedding_dim, embeddings.weight
 
     def forward(input_ids, *args, **kwargs):  # (the previous stage's hidden states replace them)
-        return torch.zeros(*input_ids.shape, width, dtype=dtype, device=input_ids.device)
+        # (where the embedding's weight lives, as nn.Embedding's output: the ids may be on the host, a dry run's are)
+        return torch.zeros(*input_ids.shape, width, dtype=weight.dtype, device=weight.device)
     return forward
 
 

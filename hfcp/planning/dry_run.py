@@ -159,7 +159,7 @@ class Ledger:
         """The part of the step at hand: the module whose forward runs (set by dry_step's hooks); in backward, which
         runs no module hooks, the hfcp autograd function whose backward runs (attention's, the tiled MLP's, the
         loss's), else "between blocks" (the gradients of the layers' own operators)."""
-        if self.phase != "backward":
+        if not self.phase.startswith("backward"):
             return self.where
         frame = sys._getframe(3)
         while frame is not None:

@@ -32,6 +32,10 @@ class Setup:
     kernels: str = "cuda"  # whose operators' workspaces count ("cpu" for a CPU plan)
     step: str = "hfcp"  # whose step: hfcp's, or DeepSpeed ALST's (alst.py)
     tp: int = 1  # tensor-parallel ranks: a TP rank's step is traced (tensor_parallel.py)
+    pp: int = 1  # pipeline stages (hfcp.pipeline): the step of `stage`'s first rank is traced
+    microbatches: int = 1
+    schedule: str = "1F1B"
+    stage: int = 0
 
 
 @dataclasses.dataclass
@@ -109,15 +113,17 @@ def trace(config, setup: Setup, layers: int, local_tokens: int) -> Trace:
 
     started = time.perf_counter()
     seq_len = local_tokens * setup.cp
-    config = reduced(config, layers)
+    config = reduced(config, layers * setup.pp)  # (under pipeline stages, `layers` each)
     if setup.tp > 1:  # (a TP rank's heads and MLP width)
         config = narrowed(config, setup.tp)
     if getattr(config, "max_position_embeddings", seq_len) < seq_len:
         config.max_position_embeddings = seq_len
     ids = torch.randint(0, config.vocab_size, (setup.batch, seq_len), generator=torch.Generator().manual_seed(0))
-    with dry_world(setup.cp):
+    with dry_world(setup.cp * setup.pp, rank=setup.stage * setup.cp):
         model = build(config, setup)
-        if setup.step == "alst":
+        if setup.pp > 1:
+            ledger = _pipeline_step(model, setup, ids)
+        elif setup.step == "alst":
             with alst.prepared(model, setup.cp, bool(setup.tiled_mlp), setup.offload_checkpoints) as step:
                 with dry_step(model, setup.kernels) as ledger:  # (rank 0's tokens: ALST's ranks get them sharded)
                     loss = step(ids[:, :local_tokens], torch.arange(local_tokens).expand(setup.batch, -1))
@@ -139,6 +145,41 @@ def trace(config, setup: Setup, layers: int, local_tokens: int) -> Trace:
         grads_end = ledger.grads
     return Trace(layers, local_tokens, ledger.peak, ledger.regions, grads_end, ledger.host_peak, ledger.sent,
                  ledger.collectives, time.perf_counter() - started, ledger.model_loss)
+
+
+def _pipeline_step(model, setup: Setup, ids: torch.Tensor):
+    """The step of the traced stage's first rank under hfcp.pipeline (pp stages x cp, one data group): the runner's
+    own step, its schedule's forwards and backwards named for the ledger (a part of the step each; "forward, later"
+    and "backward, later" after the first backward, where the same activations meet the stage's gradients); the
+    gradient reduction after them a part of its own ("reduction", which the plan counts from the runner's
+    bucket). Two answers a dry run cannot read
+    from its fake group are given: which ranks of the stage have a gradient (the runner's one host read) is this
+    rank's answer (every rank of a stage runs the same layers), and a send has completed by the next action."""
+    from ..pipelining import pipeline
+
+    runner = pipeline(model, pp_size=setup.pp, cp_size=setup.cp, schedule=setup.schedule,
+                      n_microbatches=setup.microbatches, strategy=setup.strategy, ulysses_size=setup.ulysses_size,
+                      check_inputs=False, tiled_mlp=setup.tiled_mlp, offload_checkpoints=setup.offload_checkpoints)
+    runner._gradient_somewhere = lambda params: [p.grad is not None for p in params]
+    runner._sent = lambda work: True  # (a fake send never completes; a real one has by the next action's, its peer
+    # waiting for it: the neighbour's next action needs it)
+    backwards = []  # (the backwards run: a forward or backward after the first runs with gradients alive)
+    with dry_step(model, setup.kernels) as ledger:
+        def named(method, phase: str, where: str | None = None):
+            def run(*args, **kwargs):
+                ledger.phase = f"{phase}, later" if backwards and phase in ("forward", "backward") else phase
+                if where is not None:
+                    ledger.where = where
+                out = method(*args, **kwargs)
+                backwards.extend(["B"] if phase == "backward" else [])
+                return out
+            return run
+
+        runner._forward = named(runner._forward, "forward")
+        runner._backward = named(runner._backward, "backward")
+        runner._reduce_gradients = named(runner._reduce_gradients, "reduction", "gradients")
+        runner.step(input_ids=ids, labels=ids)  # (the loss returned and dropped)
+    return ledger
 
 
 def dry_run(config, seq_len: int, cp_size: int, strategy: str = "ring", ulysses_size: int | None = None,

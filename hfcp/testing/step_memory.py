@@ -16,15 +16,9 @@ def measure_steps(config_dict: dict, seq_lens: list[int], strategy: str = "ring"
     """The worst rank's peak RSS growth (bytes) of a step at each length of `seq_lens` (after one warm-up step at
     the first: what a first step allocates once, the host's heap grown for that length's small tensors included, is
     not a step's), on the calling group's ranks."""
-    import transformers
-
     import hfcp
 
-    fix_mmap_threshold()
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**config_dict)
-    config.max_position_embeddings = max(seq_lens + [getattr(config, "max_position_embeddings", 0) or 0])
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    config, model = _built(config_dict, seq_lens)
     if lora_rank is not None:
         from peft import LoraConfig, get_peft_model
 
@@ -35,6 +29,18 @@ def measure_steps(config_dict: dict, seq_lens: list[int], strategy: str = "ring"
     hfcp.patch(model, strategy=strategy, ulysses_size=ulysses_size, check_inputs=False, tiled_mlp=tiled_mlp,
                offload_checkpoints=offload_checkpoints)
     return _worst_growth(model, config.vocab_size, seq_lens)
+
+
+def _built(config_dict: dict, seq_lens: list[int]):
+    """(config, model): the model of `config_dict` on the CPU in fp32 (seeded), its positions reaching the lengths;
+    glibc's mmap threshold fixed first."""
+    import transformers
+
+    fix_mmap_threshold()
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**config_dict)
+    config.max_position_embeddings = max(seq_lens + [getattr(config, "max_position_embeddings", 0) or 0])
+    return config, transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def measure_tensor_parallel_steps(path: str, seq_lens: list[int], tp: int) -> list[int]:
@@ -57,28 +63,57 @@ def measure_tensor_parallel_steps(path: str, seq_lens: list[int], tp: int) -> li
     return _worst_growth(model, model.config.vocab_size, seq_lens)
 
 
-def _worst_growth(model, vocab_size: int, seq_lens: list[int]) -> list[int]:
-    """The worst rank's peak RSS growth of a step at each length, after a warm-up step at the first (the output
-    dropped before backward, as the Trainer drops it); the model unpatched after."""
+def measure_pipeline_steps(config_dict: dict, seq_lens: list[int], pp: int, microbatches: int, rows: int,
+                           schedule: str = "1F1B") -> list[int]:
+    """measure_steps' figures for hfcp.pipeline's step (`pp` stages x cp over the rest of the group's ranks, one
+    data group), `rows` rows a batch in `microbatches` microbatches, a full fine-tune with gradient checkpointing:
+    the step the runner takes, its gradient reduction included."""
     import torch.distributed as dist
 
+    import hfcp
+
+    config, model = _built(config_dict, seq_lens)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    runner = hfcp.pipeline(model, pp_size=pp, cp_size=dist.get_world_size() // pp, schedule=schedule,
+                           n_microbatches=microbatches, check_inputs=False)
+
+    def step(seq_len: int) -> None:
+        ids = torch.randint(0, config.vocab_size, (rows, seq_len), generator=torch.Generator().manual_seed(seq_len))
+        runner.step(input_ids=ids, labels=ids)
+
+    return _worst_of(step, runner.zero_grad, seq_lens)
+
+
+def _worst_growth(model, vocab_size: int, seq_lens: list[int]) -> list[int]:
+    """The worst rank's peak RSS growth of a step at each length (the output dropped before backward, as the
+    Trainer drops it); the model unpatched after."""
     import hfcp
 
     def step(seq_len: int) -> None:
         ids = torch.randint(0, vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
+    worst = _worst_of(step, model.zero_grad, seq_lens)
+    hfcp.unpatch(model)
+    return worst
+
+
+def _worst_of(step, zero_grad, seq_lens: list[int]) -> list[int]:
+    """The worst rank's peak RSS growth of step(seq_len) at each length, from no gradients, after a warm-up step at
+    the first."""
+    import torch.distributed as dist
+
     step(seq_lens[0])
     worst = []
     for seq_len in seq_lens:
-        model.zero_grad(set_to_none=True)
+        zero_grad(set_to_none=True)
         with PeakRSS(torch.device("cpu")) as mem:
             step(seq_len)
         growth = [None] * dist.get_world_size()
         dist.all_gather_object(growth, mem.growth)
         worst.append(max(growth))
-    model.zero_grad(set_to_none=True)
-    hfcp.unpatch(model)
+    zero_grad(set_to_none=True)
     return worst
 
 

@@ -13,7 +13,7 @@ def assert_exact(runs):
 
 
 @pytest.mark.parametrize("pp, cp, schedule, micro, family, options", [
-    (2, 2, "GPipe", 2, "llama", {}),                                                  # pp 2 x cp 2
+    (2, 2, "GPipe", 2, "llama", dict(bucket=1000)),  # pp 2 x cp 2; the gradients reduced in slices of 1,000
     (2, 2, "1F1B", 4, "llama", dict(lora=True, checkpointing=True, packed=True)),     # LoRA, checkpointing, packing
     (2, 2, "1F1B", 2, "gemma2", dict(tied=True)),  # softcaps, scaled embeddings, sliding and full layers, tied head
     (4, 1, "1F1B", 4, "qwen3", dict(tied=True)),   # pp 4: q/k norms, the tied weight between stages 0 and 3
@@ -23,7 +23,8 @@ def assert_exact(runs):
 ])
 def test_pipeline_equals_one_process(pool4, pp, cp, schedule, micro, family, options):
     assert_exact(pool4.run(W.compare, pp, cp, schedule, micro, family, *[options.get(k, False) for k in
-                                                                          ("lora", "checkpointing", "packed", "tied")]))
+                                                                          ("lora", "checkpointing", "packed", "tied")],
+                           "ring", None, options.get("bucket")))
 
 
 @pytest.mark.parametrize("cp", [1, 2])
@@ -53,3 +54,13 @@ def test_pipeline_tiled_mlp_and_offload_apply_at_every_cp_size(pool4, cp):
 def test_pipeline_refuses_by_name_on_every_rank(pool2, kind, message):
     for msg in pool2.run(W.refused, kind):
         assert msg and message in msg, msg
+
+
+def test_the_gradient_reduction_buckets_cut_gradients_into_slices():
+    import torch
+
+    from hfcp.pipelining.runner import _buckets
+
+    a, b, c = torch.zeros(5), torch.zeros(3, 4), torch.zeros(2)
+    got = [[(id(g), start, stop) for g, start, stop in bucket] for bucket in _buckets([a, b, c], 8)]
+    assert got == [[(id(a), 0, 5), (id(b), 0, 3)], [(id(b), 3, 11)], [(id(b), 11, 12), (id(c), 0, 2)]]

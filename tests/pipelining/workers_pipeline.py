@@ -81,10 +81,19 @@ def _prepare(family, lora, checkpointing, tied):
 
 def compare(pp: int, cp: int, schedule: str, microbatches: int = 2, family: str = "llama", lora: bool = False,
             checkpointing: bool | str = False, packed: bool = False, tied: bool = False, strategy: str = "ring",
-            memory: dict | None = None) -> dict:
+            memory: dict | None = None, bucket: int | None = None) -> dict:
     """checkpointing: True (non-reentrant) or "reentrant". memory: tiled_mlp / offload_checkpoints for the pipeline;
     then also how many of this stage's MLPs ran in tiles ("tiled_calls": their tiled forwards' calls) and whether
-    the checkpoints were offloaded ("offloaded": the model's forward the offloading one)."""
+    the checkpoints were offloaded ("offloaded": the model's forward the offloading one). bucket: the runner's
+    gradient reduction in buckets of this many elements (gradients cut into slices across buckets)."""
+    if bucket is not None:
+        from hfcp.pipelining import runner as module
+
+        kept, module.REDUCE_BUCKET = module.REDUCE_BUCKET, bucket
+        try:
+            return compare(pp, cp, schedule, microbatches, family, lora, checkpointing, packed, tied, strategy, memory)
+        finally:
+            module.REDUCE_BUCKET = kept
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // (pp * cp)
     d = (rank // cp) % dp

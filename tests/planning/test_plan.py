@@ -14,6 +14,7 @@ import hfcp
 from hfcp.attention.volume import comm_bytes
 from hfcp.commands.cli import main
 from hfcp.planning import dry_run
+from hfcp.pipelining.runner import REDUCE_BUCKET
 from hfcp.planning.configs import load_config, shipped
 
 import workers_plan
@@ -25,7 +26,7 @@ from hfcp.testing.dist_pool import map_in_processes
 @pytest.fixture(scope="module")
 def made():
     """The module's dry runs and plans that take seconds (workers_plan.py), two at a time in processes of their own."""
-    names = ["world_64", "extrapolated", "searched"]
+    names = ["world_64", "pipelined", "extrapolated", "searched"]
     return dict(zip(names, map_in_processes(workers_plan.make, [(n,) for n in names])))
 
 
@@ -79,13 +80,20 @@ def test_the_shipped_configs_build_the_published_models():
     (dict(seq_len=1001, cp_size=2), "seq_len=1001 must be a multiple of cp_size=2"),
     (dict(strategy="zigzag"), "strategy='zigzag'"),
     (dict(strategy="usp", cp_size=4), "needs ulysses_size dividing cp_size=4"),
-    (dict(tp_size=0), "tp_size=0 must be at least 1"),
+    (dict(tp_size=0), "tp_size=0 must be a positive integer"),
     (dict(tp_size=3), "num_attention_heads=4 does not divide over tp_size=3"),
     (dict(tp_size=2, lora_rank=8), "tp_size=2 with lora_rank=8: hfcp's TP x CP is verified for full fine-tunes"),
     (dict(tp_size=2, tiled_mlp=True, optimizer_offload=True), "with tiled_mlp=True, optimizer_offload=True"),
     (dict(tp_size=2, sharded=True), "with sharded=True"),
     (dict(tp_size=2, step="alst", strategy="ulysses"), "ALST's step has no tensor parallelism"),
-    (dict(pp_size=2), "pp_size=2: hfcp's plan does not model pipeline stages"),
+    (dict(pp_size=0), "pp_size=0 must be a positive integer"),
+    (dict(pp_size=3), "pp_size=3 stages for 2 decoder layers"),
+    (dict(pp_size=2, sharded=True), "pp_size=2 with sharded=True: hfcp.pipeline averages each stage's gradients"),
+    (dict(pp_size=2, tp_size=2, optimizer_offload=True), "with tp_size=2, optimizer_offload=True"),
+    (dict(pp_size=2, step="alst", strategy="ulysses"), "ALST's step has no pipeline stages"),
+    (dict(pp_size=2, schedule="zero-bubble"), "schedule='zero-bubble' is not one of ['GPipe', '1F1B']"),
+    (dict(pp_size=2, n_microbatches=3, batch_size=2), "n_microbatches=3 must divide batch_size=2"),
+    (dict(n_microbatches=2, batch_size=2), "microbatches are a pipeline's"),
     (dict(device="h100"), None),
     (dict(device="tpu-v5"), "device='tpu-v5'"),
     (dict(device={"memory": 3}), "device spec field 'memory'"),
@@ -232,10 +240,10 @@ def test_the_search_ranks_tensor_parallel_layouts_of_a_full_fine_tune(monkeypatc
         max_seq_len=kw.get("tp_size", 1), fits=True, step_time_s=1.0))
     assert [p.max_seq_len for p in plan_module.search(config, 4, top=100)][:2] == [2, 1]  # (longest first)
     tensor = [kw for kw in planned if kw.get("tp_size")]
-    assert [(kw["cp_size"], kw["tp_size"]) for kw in tensor] == [(2, 2)] and len(planned) == 4 * 3 + 1
+    assert [(kw["cp_size"], kw["tp_size"]) for kw in tensor] == [(2, 2)] and len(planned) == 4 * 3 + 1 + 1
     assert not tensor[0].get("tiled_mlp") and not tensor[0].get("offload_checkpoints")
     plan_module.search(config, 4, lora_rank=8)  # (LoRA: hfcp's TP x CP is verified for full fine-tunes)
-    assert not [kw for kw in planned[13:] if kw.get("tp_size")] and len(planned) == 13 + 12
+    assert not [kw for kw in planned[14:] if kw.get("tp_size")] and len(planned) == 14 + 12 + 1
 
 
 def test_the_command_plans_tensor_parallelism_and_refuses_what_hfcp_does_not_run(capsys, tmp_path):
@@ -245,3 +253,49 @@ def test_the_command_plans_tensor_parallelism_and_refuses_what_hfcp_does_not_run
     assert json.loads(capsys.readouterr().out)["layout"]["tp_size"] == 2
     assert main(["plan", str(path), "--cp-size", "2", "--tp-size", "2", "--lora-rank", "8"]) == 2
     assert "hfcp plan: error: tp_size=2 with lora_rank=8" in capsys.readouterr().err
+
+
+def test_a_pipeline_plans_its_worst_stage_from_the_runners_own_schedule(made):
+    """hfcp.pipeline's stages (a dry run of its runner's step on the first and the last stage; workers_plan.pipelined):
+    a stage holds its layers' weights (the first the embedding, the last the head), GPipe keeps every microbatch's
+    checkpoints where 1F1B keeps as many as stages, later microbatches run with the stage's gradients alive, the
+    runner's fp32 reduction bucket is counted, and the bubble."""
+    piped = made["pipelined"]["piped"]
+    one = piped["1F1B"]
+    assert one.layout["pp_size"] == 2 and one.layout["n_microbatches"] == 3 and not one.layout["sharded"]
+    assert one.stage in (0, 1) and "pipeline stage" in str(one)
+    layer = 4 * 512 * 512 + 3 * 512 * 1024 + 2 * 512  # (a layer: attention, MLP, two norms)
+    assert one.breakdown["weights"] == (2 * layer + 8192 * 512 + (512 if one.stage else 0)) * 2
+    # GPipe: three rows in flight on the last stage (60 MB of its layers' inputs); 1F1B: two on the first (44 MB)
+    checkpoints = {k: (p.stage, p.breakdown["checkpoints (on device)"] / 2 ** 20) for k, p in piped.items()}
+    assert checkpoints["1F1B"][0] == 0 and checkpoints["GPipe"][0] == 1, checkpoints
+    assert checkpoints["GPipe"][1] > 1.3 * checkpoints["1F1B"][1], checkpoints
+    assert piped["GPipe"].step_bytes > one.step_bytes
+    assert one.time_parts["pipeline bubble"] > 0 and one.comm_bytes_per_step > 0
+    # the third microbatch runs forward and backward with the first stage's gradients alive: at the traced size (two
+    # layers a stage, 8,192 tokens a rank) the plan is the dry run's own peak
+    assert one.step_bytes == made["pipelined"]["traced_peak"] and one.breakdown["gradients"] > 0, one
+    # wider layers, a short sequence: the peak is at the step's end, the gradients and the runner's fp32 bucket
+    short = made["pipelined"]["short"]
+    stage = 2 * (4 * 1024 * 1024 + 3 * 1024 * 4096 + 2 * 1024) + 8192 * 1024 + 1024 * short.stage
+    assert short.breakdown["gradients"] == 4 * stage and 4 * REDUCE_BUCKET < 4 * stage
+    assert short.breakdown["gradient reduction (fp32 bucket)"] == 4 * REDUCE_BUCKET  # (a bucket, not all of them)
+
+
+def test_a_pipeline_is_refused_for_what_hfcp_pipeline_refuses_and_searched_where_it_runs(capsys, tmp_path):
+    # the refusal comes from hfcp.pipeline itself, run by the dry run
+    with pytest.raises(ValueError, match=r"pp_size=2: hfcp.pipeline: Qwen3NextForCausalLM .* has sequence mixers "
+                                         r"other than attention"):
+        hfcp.plan(transformers.AutoConfig.for_model("qwen3_next", num_hidden_layers=4), pp_size=2, seq_len=4096)
+    path = tmp_path / "config.json"
+    small(4).to_json_file(str(path))
+    assert main(["plan", str(path), "--pp-size", "2", "--n-microbatches", "2", "--batch-size", "2", "--seq-len",
+                 "4096", "--json"]) == 0
+    layout = json.loads(capsys.readouterr().out)["layout"]
+    assert (layout["pp_size"], layout["n_microbatches"], layout["schedule"]) == (2, 2, "1F1B")
+    assert main(["plan", str(path), "--pp-size", "2", "--sharded", "yes"]) == 2
+    assert "hfcp plan: error: pp_size=2 with sharded=True" in capsys.readouterr().err
+    config = small(4, num_key_value_heads=2)
+    assert [(x["cp_size"], x.get("pp_size", 1), x.get("dp_replicate", 1))
+            for x in hfcp.planning.layouts(config, 8, pp_sizes=(1, 2, 4)) if x.get("pp_size")] \
+        == [(2, 2, 2), (4, 2, 1), (2, 4, 1)]  # (ring: a stage's ranks, cp x its replicas)

@@ -48,6 +48,21 @@ def searched() -> dict:
                        for p in plans])
 
 
+def pipelined() -> dict:
+    """Plans of pipeline stages (4 layers, pp 2 x cp 2): three microbatches under 1F1B and GPipe at 16,384 tokens,
+    the dry run of the 1F1B plan's worst stage at that size, and a short sequence of wider layers on the CPU."""
+    import hfcp
+    from hfcp.planning.trace import Setup, trace
+
+    config, n = small(4, hidden_size=512, intermediate_size=1024, vocab_size=8192), 16384
+    piped = {schedule: hfcp.plan(config, seq_len=n, cp_size=2, pp_size=2, n_microbatches=3, batch_size=3,
+                                 schedule=schedule) for schedule in ("1F1B", "GPipe")}
+    traced = trace(config, Setup(2, batch=3, pp=2, microbatches=3, stage=piped["1F1B"].stage), 2, n // 2)
+    wide = small(4, hidden_size=1024, intermediate_size=4096, vocab_size=8192)
+    return dict(piped=piped, traced_peak=traced.peak,
+                short=hfcp.plan(wide, seq_len=1024, cp_size=2, pp_size=2, device="cpu"))
+
+
 def make(name: str):
     """What this module's function `name` makes."""
     return globals()[name]()
