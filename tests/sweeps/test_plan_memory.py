@@ -105,10 +105,11 @@ PP_LENGTHS = TP_LENGTHS  # (four ranks, two rows a step)
 
 
 def test_plan_step_bytes_match_a_pipeline_step(measuring):
-    """pp 2 x cp 2 on 4 ranks (hfcp.pipeline), two microbatches of one row under 1F1B, a full fine-tune: the plan
-    dry-runs the runner's step on the first and the last stage (the first holds two rows' checkpoints and the
-    embedding, the last the loss) and adds the runner's fp32 reduction bucket; the worst rank measured."""
-    config = dict(SMALL, model_type="llama", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    """pp 2 x cp 2 on 4 ranks (hfcp.pipeline; one layer a stage), two microbatches of one row under 1F1B, a full
+    fine-tune: the plan dry-runs the runner's step on the first and the last stage (the first holds two rows'
+    checkpoints and the embedding, the last the loss; traced with two layers a stage, the fit taken down to one)
+    and adds the runner's fp32 reduction bucket; the worst rank measured."""
+    config = dict(SMALL, model_type="llama", num_attention_heads=4, num_key_value_heads=2)
     measured = measuring(4).run(measure_pipeline_steps, config, PP_LENGTHS, 2, 2, 2, timeout=600)[0]
     planned = plan_case((config, 2, dict(pp_size=2, n_microbatches=2, batch_size=2)), PP_LENGTHS)
     for n, p, m in zip(PP_LENGTHS, planned, measured):
