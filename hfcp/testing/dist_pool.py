@@ -204,3 +204,18 @@ def map_in_processes(fn, items: list, processes: int = 2, timeout: float = 600.0
     with ProcessPoolExecutor(processes, mp_context=ctx) as executor:
         futures = [executor.submit(fn, *item) for item in items]
         return [f.result(timeout=timeout) for f in futures]
+
+
+class InPool:
+    """fn(*args) started on every rank of a DistPool of its own (`ranks` processes), its results (in rank order)
+    taken later (result) or never (close)."""
+
+    def __init__(self, ranks: int, fn, *args):
+        self.pool = DistPool(ranks, daemon=False)
+        self.task = self.pool.submit(fn, *args)
+
+    def result(self, timeout: float = 300.0) -> list:
+        return self.task.result(timeout=timeout)
+
+    def close(self) -> None:
+        self.pool.close()

@@ -4,9 +4,15 @@ import re
 
 import support_matrix
 
+from hfcp.testing.dist_pool import InPool
 from hfcp.testing.sweeps import families as S
 
 SWEEP = S.sweep  # what the `sweep` fixture (tests/conftest.py) runs
+
+
+def START():
+    """The sweep at cp 2, started with the run in a pool of its own (conftest.py: started)."""
+    return InPool(2, SWEEP)
 
 
 def test_no_family_is_silently_wrong_or_crashes(sweep):
