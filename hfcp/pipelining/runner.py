@@ -195,10 +195,13 @@ class PipelineRunner:
     def _post_sends(self, keep_for: int | None = None) -> None:
         """Post the pending sends, but those to `keep_for` (they go with the next receive from it)."""
         kept = [s for s in self._pending if s[1] == keep_for]
-        done = [w for w, _ in self._sends if self._sent(w)]
-        for work in done:
-            work.wait()  # (at once: a completed send; a failed one raises here)
-        self._sends = [(w, t) for w, t in self._sends if not any(w is d for d in done)]  # (a sent tensor released)
+        unsent = []
+        for work, tensor in self._sends:
+            if self._sent(work):
+                work.wait()  # (at once: a completed send, its tensor released; a failed one raises here)
+            else:
+                unsent.append((work, tensor))
+        self._sends = unsent
         for tensor, peer, tag in self._pending:
             if peer != keep_for:
                 self._sends.append((dist.isend(tensor, peer, tag=tag), tensor))  # (kept alive until sent)

@@ -22,7 +22,7 @@ from ..families.registry import UnsupportedModelError
 from ..hooks.causal_lm import DEFAULT_LOSS_CHUNK
 from ..memory.tiled_mlp import EXPERTS_NAME, tile_tokens
 from ..pipelining.runner import REDUCE_BUCKET
-from ..pipelining.schedule import SCHEDULES
+from ..pipelining.schedule import check_schedule
 from ..pipelining.stage import layer_ranges, stage_parameters
 from ..state import find_pretrained
 from .alst import LOSS_SHARD_BYTES
@@ -559,8 +559,7 @@ def _check_pipeline(config, pp: int, microbatches: int, schedule: str, batch: in
     Raises:
         ValueError: the option hfcp.pipeline does not run, by name, or a schedule, microbatch count or stage count
             it refuses."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {list(SCHEDULES)}")
+    check_schedule(schedule)  # (hfcp.pipeline's own check)
     if batch % microbatches:
         raise ValueError(f"n_microbatches={microbatches} must divide batch_size={batch} (hfcp.pipeline splits a "
                          "batch's rows into its microbatches)")
