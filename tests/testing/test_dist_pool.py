@@ -52,6 +52,40 @@ def test_a_device_mesh_leaves_no_group_to_the_next_task(pool2):
     assert pool2.run(groups_left) == [0, 0]
 
 
+_HELD = []  # (in each worker: a mesh kept across tasks, as a library's cache keeps one)
+
+
+def make_held_device_mesh() -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _HELD.append(init_device_mesh("cpu", (2, 1), mesh_dim_names=("cp", "dp")))
+    return groups_left()
+
+
+def reduce_over_held_mesh() -> float:
+    import torch
+
+    t = torch.ones(1)
+    dist.all_reduce(t, group=_HELD[0].get_group("cp"))
+    return float(t)
+
+
+def test_a_mesh_a_cache_keeps_keeps_its_groups_while_later_meshes_go():
+    """The groups of a mesh still alive stay (the release before the next task froze it, so later releases, which
+    walk only what is newer, must not mistake it for garbage), and a mesh made and dropped after it leaves nothing.
+    (A pool of its own: a kept mesh's groups stay for the workers' life.)"""
+    from hfcp.testing.dist_pool import DistPool
+
+    pool = DistPool(2)
+    try:
+        held = pool.run(make_held_device_mesh)
+        assert pool.run(groups_left) == held and held[0] >= 1, held
+        assert pool.run(make_device_mesh) and pool.run(groups_left) == held
+        assert pool.run(reduce_over_held_mesh) == [2.0, 2.0]
+    finally:
+        pool.close()
+
+
 def wait_then_rank(seconds: float) -> int:
     import time
 
