@@ -18,7 +18,7 @@ sys.path[:0] = [str(TESTS), *FOLDERS]
 # check_tp_cp's functions are the TP x CP tests')
 sys.path.insert(0, str(TESTS.parent / "scripts" / "tools"))
 
-from hfcp.testing.dist_pool import DistPool  # noqa: E402
+from hfcp.testing.dist_pool import DistPool, OneAfterAnother  # noqa: E402
 
 # what a quick loop (pytest -m "not sweep and not e2e") leaves out: the sweeps over every family transformers ships
 # and over configurations measured (tests/sweeps/, and the tests that read a sweep through the `sweep` fixture), and
@@ -38,11 +38,12 @@ def pytest_collection_modifyitems(config, items):
 
 # Work that a module would otherwise do in a fixture of its own, started as the run starts in processes of its
 # own when the module's tests are selected (the module's START: a function returning an object with result() and
-# close()): it runs beside the tests before it, on the cores they leave idle (a third of two cores outside the
-# end-to-end runs and the measured sweeps), and the module's fixture takes it with `started(module)`. The family
-# sweep (about 45 s of two cores) starts so. (test_plan's dry runs did not gain: already on both cores, started
-# with the run they only made the first tests wait.)
-_started = {}  # module name -> what its START returned
+# close()): it runs beside the tests before it, on the cores they leave idle (a sixth of two cores outside the
+# end-to-end runs and the measured sweeps), and the module's fixture takes it with `started(module)`. The modules'
+# STARTs run one after another (hfcp.testing.dist_pool.OneAfterAnother): the family sweep (about 45 s of two cores),
+# then the VLM sweep. (test_plan's dry runs did not gain: already on both cores, started with the run they only made
+# the first tests wait.)
+_background = None  # the selected modules' STARTs, by module name
 
 
 def _module_name(module) -> str:
@@ -50,21 +51,24 @@ def _module_name(module) -> str:
 
 
 def pytest_collection_finish(session):
+    global _background
     modules = {_module_name(item.module): item.module for item in session.items
                if item.module is not None and hasattr(item.module, "START")}
-    for name, module in modules.items():
-        _started[name] = module.START()
+    if modules:
+        _background = OneAfterAnother({name: module.START for name, module in modules.items()})
 
 
 def pytest_sessionfinish(session):
-    for handle in _started.values():
-        handle.close()
-    _started.clear()
+    if _background is not None:
+        _background.close()
 
 
 def started(module, timeout: float = 900.0):
     """The result of `module`'s START: the one started with the run, or (the module not selected then) now."""
-    handle = _started.pop(_module_name(module), None) or module.START()
+    name = _module_name(module)
+    if _background is not None and name in _background:
+        return _background.result(name, timeout)
+    handle = module.START()
     try:
         return handle.result(timeout)
     finally:

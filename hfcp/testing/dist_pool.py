@@ -222,3 +222,49 @@ class InPool:
 
     def close(self) -> None:
         self.pool.close()
+
+
+class OneAfterAnother:
+    """Work started now and run in the background, one piece after another ({name: a function that starts it and
+    returns a handle with result(timeout) and close(), as InPool does}): two pieces never take the cores at once.
+    result(name) waits for a piece's results (its exception raised); close() stops what is still running."""
+
+    def __init__(self, starts: dict, timeout: float = 900.0):
+        import threading
+
+        self.results, self.done = {}, {name: threading.Event() for name in starts}
+        self._handle, self._closed = None, False
+        self._thread = threading.Thread(target=self._run, args=(dict(starts), timeout), daemon=True)
+        self._thread.start()
+
+    def _run(self, starts: dict, timeout: float) -> None:
+        for name, start in starts.items():
+            if self._closed:
+                break
+            try:
+                self._handle = start()
+                self.results[name] = (True, self._handle.result(timeout))
+            except BaseException as e:  # noqa: BLE001 - raised where the result is taken
+                self.results[name] = (False, e)
+            finally:
+                if self._handle is not None:
+                    self._handle.close()
+                    self._handle = None
+                self.done[name].set()
+
+    def __contains__(self, name) -> bool:
+        return name in self.done
+
+    def result(self, name: str, timeout: float = 900.0):
+        if not self.done[name].wait(timeout):
+            raise TimeoutError(f"the background work {name!r} did not finish within {timeout}s")
+        ok, value = self.results[name]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._closed = True
+        handle = self._handle
+        if handle is not None:
+            handle.close()

@@ -3,9 +3,15 @@ a text-only batch and with images; and its matrix (docs/reference/support-matrix
 fresh sweep gives."""
 import support_matrix
 
+from hfcp.testing.dist_pool import InPool
 from hfcp.testing.sweeps import vlms
 
 SWEEP = vlms.sweep  # what the `sweep` fixture (tests/conftest.py) runs
+
+
+def START():
+    """The sweep at cp 2, started with the run in a pool of its own, after the family sweep (conftest.py: started)."""
+    return InPool(2, SWEEP)
 
 
 def test_no_vlm_is_silently_wrong_or_crashes(sweep):

@@ -133,3 +133,38 @@ def test_tasks_of_two_pools_run_side_by_side(pool1, pool2, tmp_path):
     with pytest.raises(RuntimeError, match="still running wait_then_rank"):
         pool1.submit(wait_then_rank, 0.0)
     assert task.result() == [0]
+
+
+def test_background_work_runs_one_piece_after_another():
+    """OneAfterAnother (conftest.py's STARTs): the second piece starts once the first has ended, each result is taken
+    by name, and a piece that fails raises where its result is taken."""
+    import time
+
+    import pytest
+
+    from hfcp.testing.dist_pool import OneAfterAnother
+
+    log = []
+
+    class Handle:
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+            log.append(("start", name))
+
+        def result(self, timeout):
+            time.sleep(0.2)
+            log.append(("end", self.name))
+            if self.fail:
+                raise ValueError(f"{self.name} failed")
+            return self.name.upper()
+
+        def close(self):
+            log.append(("close", self.name))
+
+    work = OneAfterAnother({"a": lambda: Handle("a"), "b": lambda: Handle("b", fail=True)})
+    assert "a" in work and "c" not in work
+    assert work.result("a", timeout=10) == "A"
+    with pytest.raises(ValueError, match="b failed"):
+        work.result("b", timeout=10)
+    assert log == [("start", "a"), ("end", "a"), ("close", "a"), ("start", "b"), ("end", "b"), ("close", "b")]
+    work.close()
