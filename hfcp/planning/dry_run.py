@@ -298,8 +298,8 @@ def _spec_key(x):
 
 def _record(func, args, kwargs, out):
     """The outputs' specs (a tensor's shape, strides, dtype; anything else itself), or None where they cannot be
-    remade: an operator that writes an argument or returns an input's storage, or outputs other than a tensor or a
-    tuple."""
+    remade: an operator that writes an argument, returns an input's storage or one storage twice, or outputs other
+    than a tensor or a tuple."""
     if func._schema.is_mutable:
         return None
     outs = out if isinstance(out, tuple) else (out,)
@@ -316,6 +316,7 @@ def _record(func, args, kwargs, out):
             if type(o) is not torch.Tensor or not o.is_meta or o.storage_offset() \
                     or o.untyped_storage()._cdata in inputs:
                 return None
+            inputs.add(o.untyped_storage()._cdata)  # (a second output on the same storage is not fresh either)
             specs.append((o.shape, o.stride(), o.dtype))
         else:
             specs.append((None, o, None))
@@ -382,7 +383,6 @@ class _DryMode(TorchDispatchMode):
         if workspace is not None and _is_meta(args[0]):
             self.ledger.transient(workspace(*args, **kwargs))
         return out
-
 
     @staticmethod
     def _made(func, args, kwargs):

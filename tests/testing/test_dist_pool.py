@@ -4,8 +4,12 @@ import os
 import signal
 import subprocess
 import threading
+import time
 
+import pytest
 import torch.distributed as dist
+
+from hfcp.testing.dist_pool import DistPool, OneAfterAnother, run_side_by_side
 
 
 def frozen_in_new_group(frozen: int) -> None:
@@ -74,8 +78,6 @@ def test_a_mesh_a_cache_keeps_keeps_its_groups_while_later_meshes_go():
     """The groups of a mesh still alive stay (the release before the next task froze it, so later releases, which
     walk only what is newer, must not mistake it for garbage), and a mesh made and dropped after it leaves nothing.
     (A pool of its own: a kept mesh's groups stay for the workers' life.)"""
-    from hfcp.testing.dist_pool import DistPool
-
     pool = DistPool(2)
     try:
         held = pool.run(make_held_device_mesh)
@@ -87,16 +89,12 @@ def test_a_mesh_a_cache_keeps_keeps_its_groups_while_later_meshes_go():
 
 
 def wait_then_rank(seconds: float) -> int:
-    import time
-
     time.sleep(seconds)
     return dist.get_rank()
 
 
 def wait_for_file(path: str) -> bool:
     """True once `path` exists (another pool's task writes it), False after 60 s without it."""
-    import time
-
     for _ in range(600):
         if os.path.exists(path):
             return True
@@ -120,9 +118,6 @@ def test_tasks_of_two_pools_run_side_by_side(pool1, pool2, tmp_path):
     """run_side_by_side: the tasks overlap (pool1's task waits for a file that pool2's task, started after it,
     writes: one after the other, it would wait in vain), their results come back by pool and rank, and a task that
     fails still leaves both pools free for the next."""
-    import pytest
-
-    from hfcp.testing.dist_pool import run_side_by_side
 
     marker = str(tmp_path / "written")
     assert run_side_by_side((pool1, wait_for_file, marker), (pool2, write_file, marker)) == [[True], [0, 1]]
@@ -138,12 +133,6 @@ def test_tasks_of_two_pools_run_side_by_side(pool1, pool2, tmp_path):
 def test_background_work_runs_one_piece_after_another():
     """OneAfterAnother (conftest.py's STARTs): the second piece starts once the first has ended, each result is taken
     by name, and a piece that fails raises where its result is taken."""
-    import time
-
-    import pytest
-
-    from hfcp.testing.dist_pool import OneAfterAnother
-
     log = []
 
     class Handle:
